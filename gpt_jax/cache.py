@@ -1,0 +1,105 @@
+"""The KV cache: an immutable pytree of keys and values, written with bounds checks.
+
+Arrays are `[L, B, S, K, H]` (layers, batch, cache slots, kv heads, head dim) with per-row
+lengths `[B]`. Model code sees one row at a time (`jax.vmap` over axis 1 of `k`/`v`, axis 0
+of `lengths`), so a row's write index is its own length.
+
+JAX clamps out-of-range `dynamic_slice` / `dynamic_update_slice` starts silently. Every
+write and read here therefore checks its window: with concrete indices (eager) a bad window
+raises `ValueError`; under `jit` the write is dropped, the read returns zeros, and an `ok`
+flag comes back so the caller can record it (`KVCache.overflow`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from gpt_jax.config import GPTConfig
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, K, H] keys
+    v: jax.Array  # [L, B, S, K, H] values
+    lengths: jax.Array  # [B] int32, slots written (the next write index) per row
+    overflow: jax.Array  # [B] bool, a write past the last slot was refused for this row
+
+    @property
+    def capacity(self) -> int:
+        """S, slots per row."""
+        return self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+
+# vmap axes for a KVCache whose rows are mapped over: the batch axis of every field.
+CACHE_BATCH_AXES = KVCache(k=1, v=1, lengths=0, overflow=0)
+
+
+def init_cache(config: GPTConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache of `max_len` slots per row.
+
+    Raises:
+      ValueError: `batch_size` or `max_len` is not positive.
+    """
+    if batch_size <= 0 or max_len <= 0:
+        raise ValueError(
+            f"init_cache needs batch_size > 0 and max_len > 0, got {batch_size} and {max_len}"
+        )
+    shape = (config.n_layers, batch_size, max_len, config.kv_heads, config.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch_size,), jnp.int32),
+        overflow=jnp.zeros((batch_size,), bool),
+    )
+
+
+def cache_bytes(config: GPTConfig, batch_size: int, seq_len: int, dtype=jnp.float32) -> int:
+    """Bytes of the cache arrays: 2 (k and v) x n_layers x batch x seq_len x n_kv_heads x
+    head_dim x bytes_per_element."""
+    itemsize = np.dtype(dtype).itemsize
+    return 2 * config.n_layers * batch_size * seq_len * config.kv_heads * config.head_dim * itemsize
+
+
+def _window_ok(start, size: int, capacity: int, what: str):
+    """True iff [start, start + size) lies inside [0, capacity); raises when start is concrete."""
+    if not isinstance(start, jax.core.Tracer):
+        start_int = int(start)
+        if start_int < 0 or start_int + size > capacity:
+            raise ValueError(
+                f"KV cache {what} of {size} slot(s) at index {start_int} is out of range: "
+                f"the cache has {capacity} slots, so the start must be in [0, {capacity - size}]"
+            )
+    return (start >= 0) & (start + size <= capacity)
+
+
+def write(buf_SKH: jax.Array, new_TKH: jax.Array, start) -> tuple[jax.Array, jax.Array]:
+    """Write `new_TKH` into slots [start, start + T) of one row's cache.
+
+    Returns `(buf_SKH, ok)`. When the window does not fit, the buffer comes back unchanged and
+    `ok` is False (under jit) or `ValueError` is raised (concrete `start`).
+    """
+    size, capacity = new_TKH.shape[0], buf_SKH.shape[0]
+    ok = _window_ok(start, size, capacity, "write")
+    safe_start = jnp.where(ok, start, 0)
+    # A refused write stores back what is already there, so nothing is clamped over.
+    old_TKH = jax.lax.dynamic_slice_in_dim(buf_SKH, safe_start, size, axis=0)
+    new_TKH = jnp.where(ok, new_TKH.astype(buf_SKH.dtype), old_TKH)
+    return jax.lax.dynamic_update_slice_in_dim(buf_SKH, new_TKH, safe_start, axis=0), ok
+
+
+def read(buf_SKH: jax.Array, start, size: int) -> tuple[jax.Array, jax.Array]:
+    """Read slots [start, start + size) of one row's cache.
+
+    Returns `(window_TKH, ok)`: zeros and False for an out-of-range window under jit;
+    `ValueError` for a concrete `start`.
+    """
+    ok = _window_ok(start, size, buf_SKH.shape[0], "read")
+    window = jax.lax.dynamic_slice_in_dim(buf_SKH, jnp.where(ok, start, 0), size, axis=0)
+    return jnp.where(ok, window, jnp.zeros_like(window)), ok

@@ -1,0 +1,430 @@
+"""Inference: jitted prefill and decode step, and the generation loop as one XLA program.
+
+Prefill and decode are written for one sequence (`gpt_jax.model.transformer` on one cache
+row) and `jax.vmap`ped over a padded batch, so every row has its own length, write index
+and positions, and a row's output never depends on the other rows.
+
+`generate` runs the whole token loop inside one jitted program: a `lax.scan` over a chunk of
+steps inside a `lax.while_loop` that exits once every row has finished. The loop takes the
+model as two functions (`prefill_fn`, `step_fn`), so `naive_generate` (inference.naive) runs
+the same loop, sampler and stop logic with full recomputation instead of a cache.
+
+Bounded compilation: prompt length, batch size and max_new_tokens are padded to power-of-two
+buckets, and sampling parameters are traced arrays, so a new program is compiled only for a
+new bucket. `compile_counts()` reports how many programs each entry point has compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import secrets
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from gpt_jax.cache import CACHE_BATCH_AXES, KVCache, init_cache
+from gpt_jax.config import GPTConfig
+from gpt_jax.model import Params, lm_head, transformer
+from inference import stopping
+from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, sample
+
+CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk boundaries
+MIN_PROMPT_BUCKET = 16
+
+
+# ----------------------------------------------------------------------------- model steps
+
+
+def _prefill_row(params, tokens_T, length, cache, *, config, padding_side):
+    if padding_side == "left":  # move the real tokens to the front: positions start at 0
+        tokens_T = jnp.roll(tokens_T, length - tokens_T.shape[0])
+    x_TD, cache = transformer(params, tokens_T, cache, config, n_valid=length)
+    return lm_head(params, x_TD[jnp.maximum(length - 1, 0)], config), cache
+
+
+def _decode_row(params, token, advance, cache, *, config):
+    x_TD, cache = transformer(params, token[None], cache, config, n_valid=advance.astype(jnp.int32))
+    return lm_head(params, x_TD[0], config), cache
+
+
+def _prefill(params, config, tokens_BT, lengths_B, cache, padding_side="right"):
+    row = functools.partial(_prefill_row, config=config, padding_side=padding_side)
+    return jax.vmap(row, in_axes=(None, 0, 0, CACHE_BATCH_AXES), out_axes=(0, CACHE_BATCH_AXES))(
+        params, tokens_BT, lengths_B, cache
+    )
+
+
+def _decode(params, config, tokens_B, cache, advance_B):
+    row = functools.partial(_decode_row, config=config)
+    return jax.vmap(row, in_axes=(None, 0, 0, CACHE_BATCH_AXES), out_axes=(0, CACHE_BATCH_AXES))(
+        params, tokens_B, advance_B, cache
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "padding_side"))
+def prefill(params: Params, config: GPTConfig, tokens_BS, lengths_B, cache: KVCache,
+            padding_side: str = "right"):
+    """Run padded prompts into the cache. Returns `(logits_BV, cache)`.
+
+    Args:
+      tokens_BS: int32 prompts padded to a common length S; row b's real tokens are its
+        first `lengths_B[b]` (`padding_side="right"`) or its last (`"left"`).
+      lengths_B: int32 real prompt lengths, >= 1.
+      cache: written from each row's current length (0 for a fresh cache).
+    Returns:
+      float32 next-token logits `[B, V]` at each row's last real token, and the cache with
+      `lengths` advanced by `lengths_B`. A write past the cache end is refused and flagged
+      in `cache.overflow` (check bounds before calling; `generate` does).
+    """
+    return _prefill(params, config, tokens_BS, lengths_B, cache, padding_side)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def decode_step(params: Params, config: GPTConfig, tokens_B, cache: KVCache):
+    """Feed one token per row at its current length. Returns `(logits_BV, cache)`, float32
+    logits `[B, V]` and the cache with every row's length advanced by one."""
+    return _decode(params, config, tokens_B, cache, jnp.ones(tokens_B.shape, bool))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@struct.dataclass
+class DecodeState:
+    model: KVCache | struct.PyTreeNode  # the cache (or, for naive decoding, the sequences)
+    logits: jax.Array  # [B, V] float32, next-token logits
+    tokens: jax.Array  # [B, N] int32, generated tokens; pad_id after a row's end
+    logprobs: jax.Array  # [B, N] float32, model log-prob of each generated token
+    top_ids: jax.Array  # [B, N, R] int32, most likely alternatives per step (R = 0 if off)
+    top_logprobs: jax.Array  # [B, N, R] float32, their log-probs
+    step: jax.Array  # [] int32, index of the next token to generate
+    done: jax.Array  # [B] bool, row has finished
+    finish: jax.Array  # [B] int32, stopping.RUNNING / EOS / STOP / LENGTH
+    num_tokens: jax.Array  # [B] int32, tokens generated (EOS included)
+    prompt_seen: jax.Array  # [B, V] bool, token occurs among the row's real prompt tokens
+    output_counts: jax.Array  # [B, V] int32, occurrences among the generated tokens
+
+
+StepFn = Callable  # (tokens_B, model_state, advance_B) -> (logits_BV, model_state)
+
+
+def init_state(model, logits_BV, tokens_BT, lengths_B, stops, *, n_steps, n_top) -> DecodeState:
+    B, T = tokens_BT.shape
+    V = logits_BV.shape[-1]
+    real_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
+    seen_BV = jnp.zeros((B, V), jnp.int32).at[jnp.arange(B)[:, None], tokens_BT].add(real_BT) > 0
+    done_B = stops.max_new_tokens <= 0
+    return DecodeState(
+        model=model,
+        logits=logits_BV,
+        tokens=jnp.zeros((B, n_steps), jnp.int32),
+        logprobs=jnp.zeros((B, n_steps), jnp.float32),
+        top_ids=jnp.zeros((B, n_steps, n_top), jnp.int32),
+        top_logprobs=jnp.zeros((B, n_steps, n_top), jnp.float32),
+        step=jnp.zeros((), jnp.int32),
+        done=done_B,
+        finish=jnp.where(done_B, stopping.LENGTH, stopping.RUNNING),
+        num_tokens=jnp.zeros((B,), jnp.int32),
+        prompt_seen=seen_BV,
+        output_counts=jnp.zeros((B, V), jnp.int32),
+    )
+
+
+def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
+               stops: stopping.StopArrays, pad_id: int) -> DecodeState:
+    """Sample one token per running row, record it, then feed it to the model.
+
+    A finished row stops changing: it records pad_id, adds nothing to its counts or
+    log-probs, and its cache length no longer advances.
+    """
+    i, B = state.step, state.done.shape[0]
+    running_B = ~state.done
+    token_B = sample(state.logits, rows, state.prompt_seen, state.output_counts, i, pad_id)
+    token_B = jnp.where(running_B, token_B, pad_id)
+
+    logprobs_BV = jax.nn.log_softmax(state.logits, axis=-1)
+    token_logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
+    top_logprobs_BR, top_ids_BR = jax.lax.top_k(logprobs_BV, state.top_ids.shape[-1])
+
+    num_tokens_B = state.num_tokens + running_B
+    eos_B = running_B & stopping.is_eos(token_B, stops.stop_token_ids)
+    full_B = running_B & (num_tokens_B >= stops.max_new_tokens)
+    finish_B = jnp.where(eos_B, stopping.EOS, jnp.where(full_B, stopping.LENGTH, state.finish))
+    done_B = state.done | eos_B | full_B
+
+    def feed(model):
+        return step_fn(token_B, model, ~done_B)
+
+    logits_BV, model = jax.lax.cond(
+        done_B.all(), lambda m: (state.logits, m), feed, state.model
+    )
+    return state.replace(
+        model=model,
+        logits=logits_BV,
+        tokens=state.tokens.at[:, i].set(token_B),
+        logprobs=state.logprobs.at[:, i].set(jnp.where(running_B, token_logprob_B, 0.0)),
+        top_ids=state.top_ids.at[:, i].set(top_ids_BR),
+        top_logprobs=state.top_logprobs.at[:, i].set(top_logprobs_BR),
+        step=i + 1,
+        done=done_B,
+        finish=finish_B,
+        num_tokens=num_tokens_B,
+        output_counts=state.output_counts.at[jnp.arange(B), token_B].add(running_B.astype(jnp.int32)),
+    )
+
+
+def decode_chunk(state, step_fn, rows, stops, pad_id, chunk=CHUNK) -> DecodeState:
+    """`chunk` decode steps as one `lax.scan`."""
+    body = lambda s, _: (decode_one(s, step_fn, rows, stops, pad_id), None)  # noqa: E731
+    return jax.lax.scan(body, state, None, length=chunk)[0]
+
+
+def decode_loop(state, step_fn, rows, stops, pad_id) -> DecodeState:
+    """Scan chunks inside a `lax.while_loop` until every row has finished."""
+    return jax.lax.while_loop(
+        lambda s: ~s.done.all(),
+        lambda s: decode_chunk(s, step_fn, rows, stops, pad_id),
+        state,
+    )
+
+
+# ------------------------------------------------------------------- the cached model pair
+
+
+def cached_model(params, config, capacity, cache_dtype):
+    """`(prefill_fn, step_fn)` over a KV cache of `capacity` slots per row."""
+
+    def prefill_fn(tokens_BT, lengths_B):
+        cache = init_cache(config, tokens_BT.shape[0], capacity, cache_dtype)
+        return _prefill(params, config, tokens_BT, lengths_B, cache)
+
+    def step_fn(tokens_B, cache, advance_B):
+        return _decode(params, config, tokens_B, cache, advance_B)
+
+    return prefill_fn, step_fn
+
+
+def _start(params, config, tokens_BT, lengths_B, stops, *, capacity, n_steps, n_top,
+           model_fns, cache_dtype):
+    prefill_fn, _ = model_fns(params, config, capacity, cache_dtype)
+    logits_BV, model = prefill_fn(tokens_BT, lengths_B)
+    return init_state(model, logits_BV, tokens_BT, lengths_B, stops, n_steps=n_steps, n_top=n_top)
+
+
+_STATIC = ("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype", "pad_id")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def generate_program(params, config, tokens_BT, lengths_B, rows, stops, *, capacity, n_steps,
+                     n_top, model_fns, cache_dtype, pad_id):
+    """Prefill and the whole decode loop, as one compiled program."""
+    state = _start(params, config, tokens_BT, lengths_B, stops, capacity=capacity,
+                   n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype)
+    _, step_fn = model_fns(params, config, capacity, cache_dtype)
+    return decode_loop(state, step_fn, rows, stops, pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=tuple(s for s in _STATIC if s != "pad_id"))
+def start_program(params, config, tokens_BT, lengths_B, stops, *, capacity, n_steps, n_top,
+                  model_fns, cache_dtype):
+    """Prefill and the initial decode state (the first half of a streamed generation)."""
+    return _start(params, config, tokens_BT, lengths_B, stops, capacity=capacity,
+                  n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "model_fns", "cache_dtype",
+                                             "pad_id"))
+def chunk_program(params, config, state, rows, stops, *, capacity, model_fns, cache_dtype, pad_id):
+    """One chunk of decode steps (streaming runs this in a host loop)."""
+    _, step_fn = model_fns(params, config, capacity, cache_dtype)
+    return decode_chunk(state, step_fn, rows, stops, pad_id)
+
+
+def compile_counts() -> dict[str, int]:
+    """Programs compiled so far by each jitted entry point (their jit cache sizes)."""
+    fns = {"prefill": prefill, "decode_step": decode_step, "generate": generate_program,
+           "start": start_program, "chunk": chunk_program}
+    return {name: fn._cache_size() for name, fn in fns.items()}
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclasses.dataclass
+class Completion:
+    """One generated sequence."""
+
+    tokens: list[int]  # generated token ids (an EOS that ended the row included)
+    finish_reason: str  # "eos", "stop" or "length"
+    seed: int  # the seed used; pass it back in SamplingParams to repeat the sample
+    logprobs: list[float] | None = None  # model log-prob of each token (raw logits)
+    top_logprobs: list[dict[int, float]] | None = None  # the `logprobs` most likely per step
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Validated requests packed into bucketed arrays (one row per sample)."""
+
+    tokens_BT: np.ndarray  # [B, T] int32, right-padded prompts
+    lengths_B: np.ndarray  # [B] int32
+    rows: SamplingArrays
+    stops: stopping.StopArrays
+    requests: tuple[SamplingParams, ...]  # per real row
+    seeds: tuple[int, ...]  # per real row
+    n_real: int  # rows before batch padding
+    capacity: int  # KV cache slots per row
+    n_steps: int  # token buffer length (bucketed max_new_tokens)
+    n_top: int  # alternatives recorded per step
+
+
+def _bucket(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def _expand_sampling(prompts, sampling) -> list[SamplingParams]:
+    if sampling is None:
+        sampling = SamplingParams()
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * len(prompts)
+    sampling = list(sampling)
+    if len(sampling) != len(prompts):
+        raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+    for s in sampling:
+        if not isinstance(s, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(s).__name__}")
+    return sampling
+
+
+def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
+    """Check every request before any work starts. Returns `(prompts, sampling)` lists.
+
+    Raises:
+      ValueError: a token id outside [0, vocab_size); an empty prompt without a BOS id;
+        a prompt length + max_new_tokens above config.max_seq_len (both numbers named);
+        a stop_token_id outside the vocabulary.
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise TypeError("prompts must be a list of token-id lists")
+    sampling = _expand_sampling(prompts, sampling)
+    V = config.vocab_size
+    out = []
+    for index, (prompt, sp) in enumerate(zip(prompts, sampling)):
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            if bos_token_id is None and sp.max_new_tokens > 0:
+                raise ValueError(
+                    f"prompt {index} is empty; pass bos_token_id to start it from BOS"
+                )
+            prompt = [] if bos_token_id is None else [int(bos_token_id)]
+        bad = [t for t in prompt + list(sp.stop_token_ids) if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt {index}: token id {bad[0]} is outside [0, {V})")
+        if len(prompt) + sp.max_new_tokens > config.max_seq_len:
+            raise ValueError(
+                f"prompt {index}: prompt length {len(prompt)} + max_new_tokens "
+                f"{sp.max_new_tokens} = {len(prompt) + sp.max_new_tokens} exceeds the "
+                f"model's max_seq_len {config.max_seq_len}"
+            )
+        out.append(prompt)
+    return out, sampling
+
+
+def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
+    """Expand `n`, draw missing seeds, and pad rows, lengths and steps to buckets."""
+    rows, row_prompts, seeds, index = [], [], [], []
+    for prompt, sp in zip(prompts, sampling):
+        seed = sp.seed if sp.seed is not None else secrets.randbits(32)
+        for k in range(sp.n):
+            rows.append(sp), row_prompts.append(prompt), seeds.append(seed), index.append(k)
+    n_real = len(rows)
+    B = _bucket(n_real)
+    T = min(config.max_seq_len, _bucket(max(map(len, row_prompts)), MIN_PROMPT_BUCKET))
+    n_steps = _bucket(max(r.max_new_tokens for r in rows), CHUNK)
+    capacity = min(config.max_seq_len, T + n_steps)
+    tokens = np.full((B, T), pad_id, np.int32)
+    lengths = np.ones((B,), np.int32)
+    for b, p in enumerate(row_prompts):
+        tokens[b, : len(p)] = p
+        lengths[b] = len(p)
+    filler = SamplingParams(max_new_tokens=0, seed=0)
+    padded = rows + [filler] * (B - n_real)
+    want_logprobs = any(r.logprobs is not None for r in rows)
+    return Batch(
+        tokens_BT=tokens,
+        lengths_B=lengths,
+        rows=SamplingArrays.from_params(padded, seeds + [0] * (B - n_real), index + [0] * (B - n_real)),
+        stops=stopping.StopArrays.from_lists(
+            [r.max_new_tokens for r in padded], [r.stop_token_ids for r in padded]
+        ),
+        requests=tuple(rows),
+        seeds=tuple(seeds),
+        n_real=n_real,
+        capacity=capacity,
+        n_steps=n_steps,
+        n_top=MAX_LOGPROBS if want_logprobs else 0,
+    )
+
+
+def unpack(batch: Batch, state: DecodeState) -> list[Completion]:
+    """Turn the final decode state into one Completion per real row."""
+    tokens, num, finish, logprobs, top_ids, top_lp = jax.device_get(
+        (state.tokens, state.num_tokens, state.finish, state.logprobs, state.top_ids,
+         state.top_logprobs)
+    )
+    out = []
+    for b, sp in enumerate(batch.requests):
+        n = int(num[b])
+        completion = Completion(
+            tokens=tokens[b, :n].tolist(),
+            finish_reason=stopping.FINISH_REASONS[int(finish[b])],
+            seed=batch.seeds[b],
+        )
+        if sp.logprobs is not None:
+            completion.logprobs = logprobs[b, :n].tolist()
+            completion.top_logprobs = [
+                dict(zip(top_ids[b, i, : sp.logprobs].tolist(), top_lp[b, i, : sp.logprobs].tolist()))
+                for i in range(n)
+            ]
+        out.append(completion)
+    return out
+
+
+def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_id=0,
+        cache_dtype=jnp.float32) -> list[Completion]:
+    """Validate, pack, run one compiled generation program, unpack."""
+    prompts, sampling = validate(config, prompts, sampling, bos_token_id)
+    if any(sp.stop for sp in sampling):
+        raise ValueError("stop strings need a tokenizer: use inference.LLM for them")
+    if all(sp.max_new_tokens == 0 for sp in sampling):  # nothing to do: compile nothing
+        return [Completion([], "length", sp.seed or 0) for sp in sampling for _ in range(sp.n)]
+    batch = pack(config, prompts, sampling, pad_id)
+    state = generate_program(
+        params, config, jnp.asarray(batch.tokens_BT), jnp.asarray(batch.lengths_B), batch.rows,
+        batch.stops, capacity=batch.capacity, n_steps=batch.n_steps, n_top=batch.n_top,
+        model_fns=model_fns, cache_dtype=cache_dtype, pad_id=pad_id,
+    )
+    return unpack(batch, state)
+
+
+def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_token_id=None,
+             pad_id: int = 0, cache_dtype=jnp.float32) -> list[Completion]:
+    """Generate from a batch of token-id prompts with a KV cache, in one compiled program.
+
+    Args:
+      prompts: list of token-id lists, any lengths.
+      sampling: one SamplingParams for all prompts, or one per prompt (default greedy-free
+        SamplingParams()). A request with n > 1 gives n consecutive Completions.
+      bos_token_id: an empty prompt starts from this token; without it an empty prompt
+        raises ValueError (unless its max_new_tokens is 0, which returns []).
+      pad_id: the token recorded after a row has finished.
+    Returns:
+      One Completion per prompt and sample, in input order.
+    Raises:
+      ValueError: before anything is compiled, for any invalid request (see `validate`).
+    """
+    return run(params, config, prompts, sampling, model_fns=cached_model,
+               bos_token_id=bos_token_id, pad_id=pad_id, cache_dtype=cache_dtype)

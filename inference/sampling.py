@@ -1,0 +1,253 @@
+"""Sampling: pure functions on `[B, V]` logits with per-row parameters as traced arrays.
+
+Every row of a batch carries its own temperature, top-k, top-p, min-p, penalties and seed,
+so one compiled program serves any mix of greedy and sampled requests and changing a value
+never recompiles.
+
+Order of the transforms (the order of Hugging Face's default logits processors and vLLM's
+sampler):
+  1. penalties on the raw logits: repetition (CTRL, Keskar et al. 2019: divide a positive
+     logit, multiply a negative one, once per seen token, prompt and output), then presence
+     and frequency (OpenAI API: subtract `presence` once and `frequency` x count, output
+     tokens only);
+  2. temperature 0 is greedy: argmax of the penalized logits, no division on that path;
+  3. temperature scaling, after subtracting the row maximum so tiny temperatures stay finite;
+  4. top-k (k = 0 or k >= V is off), then top-p / nucleus (Holtzman et al. 2020) on the
+     renormalized top-k distribution, then min-p (Nguyen et al. 2024) relative to the most
+     likely token. Each filter always keeps the most likely token, so no row is ever empty.
+Penalties come first because they change which tokens are likely; the filters come after
+temperature because "top-p 0.9" is meant of the distribution actually sampled from.
+
+A row whose logits are all -inf or NaN (a finished or padded row) returns `pad_id`, and its
+NaN never reaches other rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Validated on construction.
+
+    Raises:
+      ValueError: a field is out of range; the message names the field, value and range.
+      TypeError: an unknown field (the dataclass constructor rejects it).
+    """
+
+    temperature: float = 1.0  # 0 = greedy; otherwise logits are divided by it
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = off
+    min_p: float = 0.0  # keep tokens with prob >= min_p * max prob; 0 = off
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    seed: int | None = None  # None: a fresh random seed, reported back in the Completion
+    max_new_tokens: int = 16  # most tokens to generate
+    stop_token_ids: tuple[int, ...] = ()  # EOS ids: generation ends after emitting one
+    stop: tuple[str, ...] = ()  # stop strings: output is cut before the first one found
+    logprobs: int | None = None  # None = off; n >= 0 = sampled token's logprob + top n
+    n: int = 1  # independent samples of this prompt
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        set_(self, "stop_token_ids", tuple(self.stop_token_ids))
+        set_(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        _check_real("temperature", self.temperature, 0.0, math.inf, "[0, inf)")
+        _check_int("top_k", self.top_k, 0, None, ">= 0 (0 = off)")
+        _check_real("top_p", self.top_p, 0.0, 1.0, "[0, 1]")
+        _check_real("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
+        _check_real("repetition_penalty", self.repetition_penalty, 1e-6, math.inf, "(0, inf)")
+        _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0, "[-2, 2]")
+        _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**32 - 1, "None or [0, 2**32 - 1]")
+        _check_int("max_new_tokens", self.max_new_tokens, 0, None, ">= 0")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, 0, None, "token ids >= 0")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {s!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"None or [0, {MAX_LOGPROBS}]")
+        _check_int("n", self.n, 1, None, ">= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_real(name, value, low, high, allowed):
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"SamplingParams.{name}={value!r} is out of range; allowed: {allowed}")
+
+
+def _check_int(name, value, low, high, allowed):
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not ok or value < low or (high is not None and value > high):
+        raise ValueError(f"SamplingParams.{name}={value!r} is out of range; allowed: {allowed}")
+
+
+@struct.dataclass
+class SamplingArrays:
+    """Per-row sampling parameters as arrays, so changing them never recompiles."""
+
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] float32, 1 = off
+    min_p: jax.Array  # [B] float32, 0 = off
+    repetition_penalty: jax.Array  # [B] float32, 1 = off
+    presence_penalty: jax.Array  # [B] float32, 0 = off
+    frequency_penalty: jax.Array  # [B] float32, 0 = off
+    seed: jax.Array  # [B] uint32, the request's seed
+    sample_index: jax.Array  # [B] int32, which of the request's n samples this row is
+
+    @classmethod
+    def from_params(cls, rows: list[SamplingParams], seeds: list[int], sample_index: list[int]):
+        def col(name, dtype):
+            return jnp.asarray(np.array([getattr(r, name) for r in rows], dtype))
+
+        return cls(
+            temperature=col("temperature", np.float32),
+            top_k=col("top_k", np.int32),
+            top_p=col("top_p", np.float32),
+            min_p=col("min_p", np.float32),
+            repetition_penalty=col("repetition_penalty", np.float32),
+            presence_penalty=col("presence_penalty", np.float32),
+            frequency_penalty=col("frequency_penalty", np.float32),
+            seed=jnp.asarray(np.array(seeds, np.uint32)),
+            sample_index=jnp.asarray(np.array(sample_index, np.int32)),
+        )
+
+
+def apply_penalties(
+    logits_BV, prompt_seen_BV, output_counts_BV, repetition_B, presence_B, frequency_B
+):
+    """Repetition, presence and frequency penalties (see the module docstring).
+
+    Args:
+      logits_BV: float32 logits. prompt_seen_BV: bool, token occurs in the prompt (real
+        tokens only, never padding). output_counts_BV: int32 occurrences in the output so far.
+    """
+    in_output_BV = output_counts_BV > 0
+    rep_B1 = repetition_B[:, None]
+    penalized_BV = jnp.where(logits_BV > 0, logits_BV / rep_B1, logits_BV * rep_B1)
+    logits_BV = jnp.where(prompt_seen_BV | in_output_BV, penalized_BV, logits_BV)
+    return (
+        logits_BV
+        - presence_B[:, None] * in_output_BV
+        - frequency_B[:, None] * output_counts_BV
+    )
+
+
+def apply_temperature(logits_BV, temperature_B):
+    """Subtract the row maximum and divide by the temperature; greedy rows (0) divide by 1."""
+    safe_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
+    shifted_BV = logits_BV - logits_BV.max(-1, keepdims=True)
+    return shifted_BV / safe_B[:, None]
+
+
+def top_k_filter(logits_BV, top_k_B):
+    """Set all but the k largest logits of each row to -inf. k = 0 or k >= V keeps all."""
+    V = logits_BV.shape[-1]
+    k_B = jnp.where((top_k_B <= 0) | (top_k_B > V), V, top_k_B)
+    sorted_BV = -jnp.sort(-logits_BV, axis=-1)
+    kth_B1 = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)
+    return jnp.where(logits_BV >= kth_B1, logits_BV, -jnp.inf)
+
+
+def top_p_keep(probs_BV, top_p_B):
+    """Nucleus mask: keep a token iff the probability of strictly more likely tokens (in
+    sorted order) is below top_p. The most likely token is always kept.
+
+    With probs [0.5, 0.25, 0.125, 0.125]: top_p 0.5 keeps {0}; 0.51, 0.6 and 0.75 keep
+    {0, 1}; 1.0 keeps all.
+    """
+    B, V = probs_BV.shape
+    order_BV = jnp.argsort(-probs_BV, axis=-1, stable=True)
+    sorted_BV = jnp.take_along_axis(probs_BV, order_BV, axis=-1)
+    mass_before_BV = jnp.concatenate(
+        [jnp.zeros((B, 1), sorted_BV.dtype), jnp.cumsum(sorted_BV, axis=-1)[:, :-1]], axis=-1
+    )
+    keep_sorted_BV = (mass_before_BV < top_p_B[:, None]).at[:, 0].set(True)
+    return jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], order_BV].set(keep_sorted_BV)
+
+
+def min_p_keep(probs_BV, min_p_B):
+    """Keep tokens whose probability is at least min_p times the row's largest."""
+    return probs_BV >= min_p_B[:, None] * probs_BV.max(-1, keepdims=True)
+
+
+def filter_logits(logits_BV, top_k_B, top_p_B, min_p_B):
+    """Top-k, then top-p on the renormalized result, then min-p. Removed tokens get -inf."""
+    logits_BV = top_k_filter(logits_BV, top_k_B)
+    probs_BV = jax.nn.softmax(logits_BV, axis=-1)
+    keep_BV = top_p_keep(probs_BV, top_p_B) & min_p_keep(probs_BV, min_p_B)
+    return jnp.where(keep_BV, logits_BV, -jnp.inf)
+
+
+def row_keys(seed_B, sample_index_B, step):
+    """The PRNG key of each row at one step: from the request's own seed, its sample index and
+    the step, never from the row's position in the batch."""
+
+    def one(seed, index):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), step)
+
+    return jax.vmap(one)(seed_B, sample_index_B)
+
+
+def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, step, pad_id=0):
+    """Choose one token per row. Returns int32 `[B]`.
+
+    Args:
+      logits_BV: float32 or bfloat16 logits (computed in float32 here).
+      rows: per-row parameters. prompt_seen_BV, output_counts_BV: history for penalties.
+      step: int, index of the token being generated (mixed into the row's key).
+      pad_id: returned for rows whose logits have no finite value.
+    """
+    logits_BV = logits_BV.astype(jnp.float32)
+    finite_B = jnp.isfinite(logits_BV).any(-1)
+    logits_BV = jnp.where(finite_B[:, None] & ~jnp.isnan(logits_BV), logits_BV, -jnp.inf)
+    logits_BV = jnp.where(finite_B[:, None], logits_BV, 0.0)
+
+    any_penalty = (
+        (rows.repetition_penalty != 1) | (rows.presence_penalty != 0) | (rows.frequency_penalty != 0)
+    ).any()
+    logits_BV = jax.lax.cond(
+        any_penalty,
+        lambda x: apply_penalties(
+            x, prompt_seen_BV, output_counts_BV,
+            rows.repetition_penalty, rows.presence_penalty, rows.frequency_penalty,
+        ),
+        lambda x: x,
+        logits_BV,
+    )
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+    scaled_BV = apply_temperature(logits_BV, rows.temperature)
+    sampled_rows_B = rows.temperature > 0
+    any_filter = (
+        sampled_rows_B
+        & (((rows.top_k > 0) & (rows.top_k < logits_BV.shape[-1])) | (rows.top_p < 1) | (rows.min_p > 0))
+    ).any()
+    scaled_BV = jax.lax.cond(
+        any_filter,
+        lambda x: filter_logits(x, rows.top_k, rows.top_p, rows.min_p),
+        lambda x: x,
+        scaled_BV,
+    )
+    keys_B = row_keys(rows.seed, rows.sample_index, step)
+    drawn_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BV).astype(jnp.int32)
+    tokens_B = jnp.where(sampled_rows_B, drawn_B, greedy_B)
+    return jnp.where(finite_B, tokens_B, pad_id)
