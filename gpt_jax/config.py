@@ -75,7 +75,7 @@ class GPTConfig:
 
 PRESETS: dict[str, GPTConfig] = {
     # Small enough for fast tests, big enough to have two layers and two heads.
-    "tiny": GPTConfig(vocab_size=64, max_seq_len=64, n_layers=2, n_heads=2, d_model=32),
+    "tiny": GPTConfig(vocab_size=64, max_seq_len=128, n_layers=2, n_heads=2, d_model=32),
     # Character-level Shakespeare, sized to train well within 8 minutes on 2 CPU cores.
     # vocab_size is replaced by the tokenizer's when training.
     "shakespeare-char": GPTConfig(

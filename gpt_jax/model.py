@@ -33,19 +33,26 @@ MASK_VALUE = -1e30
 Params = dict  # nested dict of arrays; layer weights are stacked along a leading L axis
 
 
+def _lead(bias: jax.Array, x: jax.Array) -> jax.Array:
+    """`bias` with leading unit axes added, to broadcast against `x` explicitly."""
+    return bias.reshape((1,) * (x.ndim - bias.ndim) + bias.shape)
+
+
 def layer_norm(p: Params, x_TD: jax.Array, eps: float) -> jax.Array:
     """LayerNorm over the last axis (Ba et al. 2016), computed in float32."""
     x32 = x_TD.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     y = (x32 - mean) * jax.lax.rsqrt(var + eps)
-    return (y * p["scale"] + p["bias"]).astype(x_TD.dtype)
+    return (y * _lead(p["scale"], y) + _lead(p["bias"], y)).astype(x_TD.dtype)
 
 
 def mlp(p: Params, x_TD: jax.Array) -> jax.Array:
     """GPT-2 MLP: D -> F, GELU (tanh approximation), F -> D."""
-    h_TF = jax.nn.gelu(x_TD @ p["w_in"] + p["b_in"], approximate=True)
-    return h_TF @ p["w_out"] + p["b_out"]
+    h_TF = x_TD @ p["w_in"]
+    h_TF = jax.nn.gelu(h_TF + _lead(p["b_in"], h_TF), approximate=True)
+    out_TD = h_TF @ p["w_out"]
+    return out_TD + _lead(p["b_out"], out_TD)
 
 
 def attend(q_TNH: jax.Array, k_SKH: jax.Array, v_SKH: jax.Array, mask_TS: jax.Array) -> jax.Array:
@@ -81,16 +88,16 @@ def attention(
     unwritten slots and slots holding padding (always after the last real token) are never
     read. Returns `(out_TD, (k_SKH, v_SKH, ok))`, `ok` False if the write did not fit.
     """
-    q_TNH = jnp.einsum("TD,DNH->TNH", x_TD, p["w_q"]) + p["b_q"]
-    k_TKH = jnp.einsum("TD,DKH->TKH", x_TD, p["w_k"]) + p["b_k"]
-    v_TKH = jnp.einsum("TD,DKH->TKH", x_TD, p["w_v"]) + p["b_v"]
+    q_TNH = jnp.einsum("TD,DNH->TNH", x_TD, p["w_q"]) + p["b_q"][None]
+    k_TKH = jnp.einsum("TD,DKH->TKH", x_TD, p["w_k"]) + p["b_k"][None]
+    v_TKH = jnp.einsum("TD,DKH->TKH", x_TD, p["w_v"]) + p["b_v"][None]
     k_SKH, ok = kv.write(k_SKH, k_TKH, start)
     v_SKH, _ = kv.write(v_SKH, v_TKH, start)
     query_pos_T = start + jnp.arange(x_TD.shape[0])
     key_pos_S = jnp.arange(k_SKH.shape[0])
     mask_TS = key_pos_S[None, :] <= query_pos_T[:, None]
     out_TNH = attend(q_TNH, k_SKH, v_SKH, mask_TS).astype(x_TD.dtype)
-    out_TD = jnp.einsum("TNH,NHD->TD", out_TNH, p["w_o"]) + p["b_o"]
+    out_TD = jnp.einsum("TNH,NHD->TD", out_TNH, p["w_o"]) + p["b_o"][None]
     return out_TD, (k_SKH, v_SKH, ok)
 
 

@@ -1,0 +1,31 @@
+# make demo: set up .venv, get the corpus, train shakespeare-char (once), generate.
+# make test: set up .venv with the test extras and run the test suite.
+# RETRAIN=1 make demo trains again (the old run directory is kept beside it).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TRAIN_SECONDS ?= 450
+
+.PHONY: demo test clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.demo-installed: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.demo-installed
+	$(PY) -m gpt_jax.cli demo --train-seconds $(TRAIN_SECONDS) $(if $(RETRAIN),--retrain)
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) *.egg-info

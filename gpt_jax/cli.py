@@ -1,0 +1,102 @@
+"""The `gpt-jax` command: `gpt-jax {data,train,generate} [flags]`; `gpt-jax CMD --help`."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: gpt-jax COMMAND [flags]
+
+commands:
+  data       download the built-in Shakespeare corpus and print its size
+  train      train a model (python -m training.train)
+  generate   generate text from a trained run (python -m inference.cli)
+  demo       data, train shakespeare-char within a time budget (once), generate (make demo)
+"""
+
+DEMO_PROMPTS = ["Romeo.\n", "Juliet.\n", "Ham.\n", "MACBETH.\n"]  # as the plays mark speakers
+
+
+def data_main(argv):
+    from training.data import shakespeare_plays
+
+    plays = shakespeare_plays()
+    print(f"{len(plays)} plays, {sum(map(len, plays.values())):,} characters")
+
+
+def demo_main(argv):
+    """The main job: corpus, training (skipped when the run finished before), generation."""
+    import argparse
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="gpt-jax demo")
+    parser.add_argument("--run-dir", default="runs/shakespeare-char")
+    parser.add_argument("--train-seconds", type=float, default=450.0)
+    parser.add_argument("--retrain", action="store_true",
+                        help="train again; the old run directory is kept as RUN_DIR.old-TIME")
+    parser.add_argument("--max-new-tokens", type=int, default=300)
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    phases = {}
+
+    tick = time.perf_counter()
+    data_main([])
+    phases["data"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    if args.retrain and run_dir.exists():
+        kept = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.rename(run_dir, kept)
+        print(f"previous run kept as {kept}")
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        print(f"reusing the trained model in {run_dir} (--retrain to train again)")
+    else:
+        from gpt_jax.checkpoint import write_json_atomic
+        from training.train import TrainConfig, train
+
+        summary = train(TrainConfig(run_dir=str(run_dir), time_budget_s=args.train_seconds))
+        write_json_atomic(summary_path, summary)
+    phases["train"] = time.perf_counter() - tick
+    print(f"training: {summary['steps']} steps, {summary['tokens_per_s']:,.0f} tokens/s, "
+          f"train loss {summary['train_loss']:.3f}, val loss {summary['val_loss']:.3f} "
+          f"nats/char")
+
+    tick = time.perf_counter()
+    from inference.cli import main as generate_main
+
+    generate_main(["--run-dir", str(run_dir), "--max-new-tokens", str(args.max_new_tokens),
+                   "--seed", "0", "--report"] + [a for p in DEMO_PROMPTS for a in ("--prompt", p)])
+    phases["generate"] = time.perf_counter() - tick
+    print("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "data":
+        data_main(rest)
+    elif command == "train":
+        from training.train import main as train_main
+
+        train_main(rest)
+    elif command == "generate":
+        from inference.cli import main as generate_main
+
+        generate_main(rest)
+    elif command == "demo":
+        demo_main(rest)
+    else:
+        print(f"gpt-jax: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_lively
+from inference import SamplingParams, compile_counts, generate, naive_generate
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
+
+
+def test_greedy_generate_equals_naive(config, params):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (1, 2, 7, 20)]
+    cached = generate(params, config, prompts, GREEDY)
+    naive = naive_generate(params, config, prompts, GREEDY)
+    for c, n in zip(cached, naive):
+        assert_lively(n.tokens)
+        assert len(c.tokens) == 48 and c.finish_reason == "length"
+        assert c.tokens == n.tokens
+
+
+def test_batch_rows_equal_solo_runs(config, params):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (1, 3, 7, 16)]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=30)
+    batched = generate(params, config, prompts, sampling)
+    for prompt, row in zip(prompts, batched):
+        (solo,) = generate(params, config, [prompt], sampling)
+        assert_lively(solo.tokens)
+        assert row.tokens == solo.tokens
+
+
+def test_sampled_batch_rows_equal_solo_runs(config, params):
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11]]
+    sampling = [SamplingParams(temperature=1.0, top_k=20, max_new_tokens=20, seed=s) for s in (1, 2, 3)]
+    batched = generate(params, config, prompts, sampling)
+    for prompt, sp, row in zip(prompts, sampling, batched):
+        assert row.tokens == generate(params, config, [prompt], sp)[0].tokens
+
+
+def test_too_long_request_raises_before_compiling(config, params):
+    before = compile_counts()
+    prompt = [t % 64 for t in range(100)]
+    with pytest.raises(ValueError, match=r"prompt length 100 \+ max_new_tokens 30 .* max_seq_len 128"):
+        generate(params, config, [[1], prompt], SamplingParams(max_new_tokens=30))
+    with pytest.raises(ValueError, match="100"):
+        naive_generate(params, config, [prompt], SamplingParams(max_new_tokens=30))
+    assert compile_counts() == before
+
+
+def test_eos_ends_a_row_and_is_kept(config, params):
+    (reference,) = generate(params, config, [[5, 6]], GREEDY)
+    eos = reference.tokens[4]
+    first = reference.tokens.index(eos)
+    (out,) = generate(params, config, [[5, 6]], SamplingParams(temperature=0.0, max_new_tokens=48, stop_token_ids=[eos]))
+    assert out.tokens == reference.tokens[: first + 1]
+    assert out.finish_reason == "eos"
+
+
+def test_out_of_vocabulary_prompt_token_raises(config, params):
+    with pytest.raises(ValueError, match=r"token id 64 is outside \[0, 64\)"):
+        generate(params, config, [[1, 64]], GREEDY)
