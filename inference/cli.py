@@ -42,8 +42,8 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams) -> None:
     config = llm.config
     token_prompts, per_prompt = validate(config, [llm.tokenizer.encode(p) for p in prompts], sampling)
     batch = pack(config, token_prompts, per_prompt)
-    B, S = batch.tokens_BT.shape[0], batch.capacity
-    tokens, lengths = jnp.asarray(batch.tokens_BT), jnp.asarray(batch.lengths_B)
+    B, S = batch.tokens_PT.shape[0], batch.capacity
+    tokens, lengths = jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P)
 
     def run_prefill():
         cache = init_cache(config, B, S, llm.cache_dtype)
@@ -60,7 +60,7 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams) -> None:
     new_tokens = sum(len(o.tokens) for o in outputs)
     itemsize = np.dtype(llm.cache_dtype).itemsize
     print(f"prefill: {prefill_s * 1e3:.1f} ms for {len(prompts)} prompts "
-          f"(padded to {batch.tokens_BT.shape[1]} tokens)")
+          f"(padded to {batch.tokens_PT.shape[1]} tokens)")
     print(f"decode: {new_tokens} tokens in {total_s - prefill_s:.2f} s = "
           f"{new_tokens / (total_s - prefill_s):,.0f} tokens/s (batch {len(prompts)})")
     print(f"KV cache: 2 x n_layers {config.n_layers} x batch {B} x seq_len {S} x n_heads "

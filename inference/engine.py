@@ -5,7 +5,9 @@ row) and `jax.vmap`ped over a padded batch, so every row has its own length, wri
 and positions, and a row's output never depends on the other rows.
 
 `generate` runs the whole token loop inside one jitted program: a `lax.scan` over a chunk of
-steps inside a `lax.while_loop` that exits once every row has finished. The loop takes the
+steps inside a `lax.while_loop` that exits once every row has finished. A request with
+`n > 1` is prefilled once: the prompt rows are prefilled, then their cache rows, logits and
+prompt history are repeated (`take_rows`) into one decode row per sample. The loop takes the
 model as two functions (`prefill_fn`, `step_fn`), so `naive_generate` (inference.naive) runs
 the same loop, sampler and stop logic with full recomputation instead of a cache.
 
@@ -104,7 +106,8 @@ class DecodeState:
     step: jax.Array  # [] int32, index of the next token to generate
     done: jax.Array  # [B] bool, row has finished
     finish: jax.Array  # [B] int32, stopping.RUNNING / EOS / STOP / LENGTH
-    num_tokens: jax.Array  # [B] int32, tokens generated (EOS included)
+    num_tokens: jax.Array  # [B] int32, output tokens (EOS kept, a token stop sequence cut)
+    recent: jax.Array  # [B, M] int32, last M generated tokens (stopping.BEFORE_START before)
     prompt_seen: jax.Array  # [B, V] bool, token occurs among the row's real prompt tokens
     output_counts: jax.Array  # [B, V] int32, occurrences among the generated tokens
 
@@ -112,11 +115,22 @@ class DecodeState:
 StepFn = Callable  # (tokens_B, model_state, advance_B) -> (logits_BV, model_state)
 
 
-def init_state(model, logits_BV, tokens_BT, lengths_B, stops, *, n_steps, n_top) -> DecodeState:
-    B, T = tokens_BT.shape
-    V = logits_BV.shape[-1]
-    real_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
-    seen_BV = jnp.zeros((B, V), jnp.int32).at[jnp.arange(B)[:, None], tokens_BT].add(real_BT) > 0
+def prompt_seen(tokens_PT, lengths_P, vocab_size: int):
+    """bool `[P, V]`: the token occurs among the row's real prompt tokens (never padding)."""
+    P, T = tokens_PT.shape
+    real_PT = jnp.arange(T)[None, :] < lengths_P[:, None]
+    return jnp.zeros((P, vocab_size), jnp.int32).at[jnp.arange(P)[:, None], tokens_PT].add(real_PT) > 0
+
+
+def take_rows(model, source_B):
+    """Decode row b of the model state is prefill row `source_B[b]`: the n samples of one
+    prompt share its prefill. The batch axis is 0 of every leaf, except a KVCache's k and v."""
+    axes = CACHE_BATCH_AXES if isinstance(model, KVCache) else jax.tree.map(lambda _: 0, model)
+    return jax.tree.map(lambda x, axis: jnp.take(x, source_B, axis=axis), model, axes)
+
+
+def init_state(model, logits_BV, seen_BV, stops, *, n_steps, n_top) -> DecodeState:
+    B, V = logits_BV.shape
     done_B = stops.max_new_tokens <= 0
     return DecodeState(
         model=model,
@@ -129,6 +143,7 @@ def init_state(model, logits_BV, tokens_BT, lengths_B, stops, *, n_steps, n_top)
         done=done_B,
         finish=jnp.where(done_B, stopping.LENGTH, stopping.RUNNING),
         num_tokens=jnp.zeros((B,), jnp.int32),
+        recent=jnp.full((B, stops.stop_sequences.shape[-1]), stopping.BEFORE_START, jnp.int32),
         prompt_seen=seen_BV,
         output_counts=jnp.zeros((B, V), jnp.int32),
     )
@@ -138,8 +153,10 @@ def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
                stops: stopping.StopArrays, pad_id: int) -> DecodeState:
     """Sample one token per running row, record it, then feed it to the model.
 
-    A finished row stops changing: it records pad_id, adds nothing to its counts or
-    log-probs, and its cache length no longer advances.
+    Stop checks, in order: an EOS id (kept), a token stop sequence the output now ends with
+    (cut: `num_tokens` drops its length), `max_new_tokens`. A finished row stops changing:
+    it records pad_id, adds nothing to its counts or log-probs, and its cache length no
+    longer advances.
     """
     i, B = state.step, state.done.shape[0]
     running_B = ~state.done
@@ -151,10 +168,19 @@ def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
     top_logprobs_BR, top_ids_BR = jax.lax.top_k(logprobs_BV, state.top_ids.shape[-1])
 
     num_tokens_B = state.num_tokens + running_B
+    recent_BM = jnp.where(
+        running_B[:, None],
+        jnp.concatenate([state.recent[:, 1:], token_B[:, None]], axis=1),
+        state.recent,
+    )
     eos_B = running_B & stopping.is_eos(token_B, stops.stop_token_ids)
+    stop_len_B = jnp.where(running_B & ~eos_B,
+                           stopping.matched_stop_length(recent_BM, stops.stop_sequences), 0)
+    stop_B = stop_len_B > 0
     full_B = running_B & (num_tokens_B >= stops.max_new_tokens)
-    finish_B = jnp.where(eos_B, stopping.EOS, jnp.where(full_B, stopping.LENGTH, state.finish))
-    done_B = state.done | eos_B | full_B
+    finish_B = jnp.select([eos_B, stop_B, full_B],
+                          [stopping.EOS, stopping.STOP, stopping.LENGTH], state.finish)
+    done_B = state.done | eos_B | stop_B | full_B
 
     def feed(model):
         return step_fn(token_B, model, ~done_B)
@@ -172,7 +198,8 @@ def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
         step=i + 1,
         done=done_B,
         finish=finish_B,
-        num_tokens=num_tokens_B,
+        num_tokens=num_tokens_B - stop_len_B,
+        recent=recent_BM,
         output_counts=state.output_counts.at[jnp.arange(B), token_B].add(running_B.astype(jnp.int32)),
     )
 
@@ -208,31 +235,33 @@ def cached_model(params, config, capacity, cache_dtype):
     return prefill_fn, step_fn
 
 
-def _start(params, config, tokens_BT, lengths_B, stops, *, capacity, n_steps, n_top,
+def _start(params, config, tokens_PT, lengths_P, source_B, stops, *, capacity, n_steps, n_top,
            model_fns, cache_dtype):
     prefill_fn, _ = model_fns(params, config, capacity, cache_dtype)
-    logits_BV, model = prefill_fn(tokens_BT, lengths_B)
-    return init_state(model, logits_BV, tokens_BT, lengths_B, stops, n_steps=n_steps, n_top=n_top)
+    logits_PV, model = prefill_fn(tokens_PT, lengths_P)
+    seen_PV = prompt_seen(tokens_PT, lengths_P, logits_PV.shape[-1])
+    return init_state(take_rows(model, source_B), jnp.take(logits_PV, source_B, axis=0),
+                      jnp.take(seen_PV, source_B, axis=0), stops, n_steps=n_steps, n_top=n_top)
 
 
 _STATIC = ("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype", "pad_id")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def generate_program(params, config, tokens_BT, lengths_B, rows, stops, *, capacity, n_steps,
-                     n_top, model_fns, cache_dtype, pad_id):
+def generate_program(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity,
+                     n_steps, n_top, model_fns, cache_dtype, pad_id):
     """Prefill and the whole decode loop, as one compiled program."""
-    state = _start(params, config, tokens_BT, lengths_B, stops, capacity=capacity,
+    state = _start(params, config, tokens_PT, lengths_P, source_B, stops, capacity=capacity,
                    n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype)
     _, step_fn = model_fns(params, config, capacity, cache_dtype)
     return decode_loop(state, step_fn, rows, stops, pad_id)
 
 
 @functools.partial(jax.jit, static_argnames=tuple(s for s in _STATIC if s != "pad_id"))
-def start_program(params, config, tokens_BT, lengths_B, stops, *, capacity, n_steps, n_top,
-                  model_fns, cache_dtype):
+def start_program(params, config, tokens_PT, lengths_P, source_B, stops, *, capacity, n_steps,
+                  n_top, model_fns, cache_dtype):
     """Prefill and the initial decode state (the first half of a streamed generation)."""
-    return _start(params, config, tokens_BT, lengths_B, stops, capacity=capacity,
+    return _start(params, config, tokens_PT, lengths_P, source_B, stops, capacity=capacity,
                   n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype)
 
 
@@ -267,10 +296,12 @@ class Completion:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """Validated requests packed into bucketed arrays (one row per sample)."""
+    """Validated requests packed into bucketed arrays: one prefill row per request, one
+    decode row per sample."""
 
-    tokens_BT: np.ndarray  # [B, T] int32, right-padded prompts
-    lengths_B: np.ndarray  # [B] int32
+    tokens_PT: np.ndarray  # [P, T] int32, right-padded prompts, one row per request
+    lengths_P: np.ndarray  # [P] int32
+    source_B: np.ndarray  # [B] int32, the prefill row each decode row starts from
     rows: SamplingArrays
     stops: stopping.StopArrays
     requests: tuple[SamplingParams, ...]  # per real row
@@ -305,7 +336,7 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
     Raises:
       ValueError: a token id outside [0, vocab_size); an empty prompt without a BOS id;
         a prompt length + max_new_tokens above config.max_seq_len (both numbers named);
-        a stop_token_id outside the vocabulary.
+        a stop_token_id or stop_sequences id outside the vocabulary.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise TypeError("prompts must be a list of token-id lists")
@@ -320,7 +351,8 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
                     f"prompt {index} is empty; pass bos_token_id to start it from BOS"
                 )
             prompt = [] if bos_token_id is None else [int(bos_token_id)]
-        bad = [t for t in prompt + list(sp.stop_token_ids) if not 0 <= t < V]
+        ids = prompt + list(sp.stop_token_ids) + [t for q in sp.stop_sequences for t in q]
+        bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"prompt {index}: token id {bad[0]} is outside [0, {V})")
         if len(prompt) + sp.max_new_tokens > config.max_seq_len:
@@ -334,31 +366,34 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
 
 
 def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
-    """Expand `n`, draw missing seeds, and pad rows, lengths and steps to buckets."""
-    rows, row_prompts, seeds, index = [], [], [], []
-    for prompt, sp in zip(prompts, sampling):
+    """Expand `n` (decode rows share their request's prefill row), draw missing seeds, and
+    pad prompts, rows and steps to buckets."""
+    rows, source, seeds, index = [], [], [], []
+    for p, sp in enumerate(sampling):
         seed = sp.seed if sp.seed is not None else secrets.randbits(32)
         for k in range(sp.n):
-            rows.append(sp), row_prompts.append(prompt), seeds.append(seed), index.append(k)
+            rows.append(sp), source.append(p), seeds.append(seed), index.append(k)
     n_real = len(rows)
-    B = _bucket(n_real)
-    T = min(config.max_seq_len, _bucket(max(map(len, row_prompts)), MIN_PROMPT_BUCKET))
+    P, B = _bucket(len(prompts)), _bucket(n_real)
+    T = min(config.max_seq_len, _bucket(max(map(len, prompts)), MIN_PROMPT_BUCKET))
     n_steps = _bucket(max(r.max_new_tokens for r in rows), CHUNK)
     capacity = min(config.max_seq_len, T + n_steps)
-    tokens = np.full((B, T), pad_id, np.int32)
-    lengths = np.ones((B,), np.int32)
-    for b, p in enumerate(row_prompts):
-        tokens[b, : len(p)] = p
-        lengths[b] = len(p)
+    tokens = np.full((P, T), pad_id, np.int32)
+    lengths = np.ones((P,), np.int32)
+    for p, prompt in enumerate(prompts):
+        tokens[p, : len(prompt)] = prompt
+        lengths[p] = len(prompt)
     filler = SamplingParams(max_new_tokens=0, seed=0)
     padded = rows + [filler] * (B - n_real)
     want_logprobs = any(r.logprobs is not None for r in rows)
     return Batch(
-        tokens_BT=tokens,
-        lengths_B=lengths,
+        tokens_PT=tokens,
+        lengths_P=lengths,
+        source_B=np.array(source + [0] * (B - n_real), np.int32),
         rows=SamplingArrays.from_params(padded, seeds + [0] * (B - n_real), index + [0] * (B - n_real)),
         stops=stopping.StopArrays.from_lists(
-            [r.max_new_tokens for r in padded], [r.stop_token_ids for r in padded]
+            [r.max_new_tokens for r in padded], [r.stop_token_ids for r in padded],
+            [r.stop_sequences for r in padded],
         ),
         requests=tuple(rows),
         seeds=tuple(seeds),
@@ -369,28 +404,43 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
     )
 
 
+def fetch(state: DecodeState) -> DecodeState:
+    """The decode state on the host, without the model and the per-vocabulary arrays."""
+    return jax.device_get(state.replace(model=None, logits=None, prompt_seen=None,
+                                        output_counts=None))
+
+
+def unpack_row(batch: Batch, b: int, host: DecodeState, n: int, finish_reason: str) -> Completion:
+    """Decode row b's first n tokens (and, if asked, their log-probs) as a Completion."""
+    sp = batch.requests[b]
+    completion = Completion(tokens=host.tokens[b, :n].tolist(), finish_reason=finish_reason,
+                            seed=batch.seeds[b])
+    if sp.logprobs is not None:
+        completion.logprobs = host.logprobs[b, :n].tolist()
+        completion.top_logprobs = [
+            dict(zip(host.top_ids[b, i, : sp.logprobs].tolist(),
+                     host.top_logprobs[b, i, : sp.logprobs].tolist()))
+            for i in range(n)
+        ]
+    return completion
+
+
 def unpack(batch: Batch, state: DecodeState) -> list[Completion]:
     """Turn the final decode state into one Completion per real row."""
-    tokens, num, finish, logprobs, top_ids, top_lp = jax.device_get(
-        (state.tokens, state.num_tokens, state.finish, state.logprobs, state.top_ids,
-         state.top_logprobs)
-    )
-    out = []
-    for b, sp in enumerate(batch.requests):
-        n = int(num[b])
-        completion = Completion(
-            tokens=tokens[b, :n].tolist(),
-            finish_reason=stopping.FINISH_REASONS[int(finish[b])],
-            seed=batch.seeds[b],
-        )
-        if sp.logprobs is not None:
-            completion.logprobs = logprobs[b, :n].tolist()
-            completion.top_logprobs = [
-                dict(zip(top_ids[b, i, : sp.logprobs].tolist(), top_lp[b, i, : sp.logprobs].tolist()))
-                for i in range(n)
-            ]
-        out.append(completion)
-    return out
+    host = fetch(state)
+    return [
+        unpack_row(batch, b, host, int(host.num_tokens[b]),
+                   stopping.FINISH_REASONS[int(host.finish[b])])
+        for b in range(batch.n_real)
+    ]
+
+
+def mark_stopped(state: DecodeState, rows: list[int]) -> DecodeState:
+    """Finish the given rows with reason STOP (a stop string found on the host between
+    chunks): from the next chunk on they generate nothing."""
+    stopped_B = jnp.zeros(state.done.shape, bool).at[jnp.asarray(rows, jnp.int32)].set(True)
+    return state.replace(done=state.done | stopped_B,
+                         finish=jnp.where(stopped_B, stopping.STOP, state.finish))
 
 
 def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_id=0,
@@ -403,8 +453,8 @@ def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_
         return [Completion([], "length", sp.seed or 0) for sp in sampling for _ in range(sp.n)]
     batch = pack(config, prompts, sampling, pad_id)
     state = generate_program(
-        params, config, jnp.asarray(batch.tokens_BT), jnp.asarray(batch.lengths_B), batch.rows,
-        batch.stops, capacity=batch.capacity, n_steps=batch.n_steps, n_top=batch.n_top,
+        params, config, jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P),
+        jnp.asarray(batch.source_B), batch.rows, batch.stops, capacity=batch.capacity, n_steps=batch.n_steps, n_top=batch.n_top,
         model_fns=model_fns, cache_dtype=cache_dtype, pad_id=pad_id,
     )
     return unpack(batch, state)

@@ -1,28 +1,78 @@
-"""The text-level front: load a trained run, generate text from text prompts.
+"""The text-level front: load a trained run, generate or stream text from text prompts.
 
     llm = LLM.from_checkpoint("runs/shakespeare-char")
     outputs = llm.generate(["Romeo.\n"], SamplingParams(temperature=0.8, max_new_tokens=200))
     print(outputs[0].text)
+    for delta in llm.stream(["Romeo.\n"], SamplingParams(max_new_tokens=200)):
+        print(delta.text, end="", flush=True)
+
+Both run the same host loop over compiled chunks of decode steps (`engine.start_program`,
+`engine.chunk_program`), so streamed deltas join to exactly the generated text. Between
+chunks each running row is decoded and searched for its stop strings; a row that contains
+one is cut before it (finish reason "stop") and marked finished, so it generates nothing
+more. A delta only carries text that is final: a byte-level tokenizer's incomplete UTF-8
+character (decoded as U+FFFD) is held back until its last byte arrives, and a tail that
+could still grow into a stop string is held back until it cannot.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator
 
 import jax.numpy as jnp
 
 from gpt_jax import checkpoint
-from inference import stopping
-from inference.engine import Completion, generate
+from inference import engine, stopping
 from inference.sampling import SamplingParams
+
+INCOMPLETE = "\ufffd"  # what a byte-level decoder shows for a character missing bytes
 
 
 @dataclasses.dataclass
 class TextCompletion:
-    text: str  # generated text, cut before a stop string
-    tokens: list[int]  # generated token ids (those of `text`, plus an EOS that ended it)
+    text: str  # generated text, cut before a stop string, without an ending EOS token's text
+    tokens: list[int]  # generated ids, through the EOS or the token that completed a stop string
     finish_reason: str  # "eos", "stop" or "length"
-    seed: int
+    seed: int  # pass it back in SamplingParams to repeat the sample
+    logprobs: list[float] | None = None  # per token of `tokens`, when asked
+    top_logprobs: list[dict[int, float]] | None = None  # the `logprobs` most likely per step
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """New text of one completion, as streamed."""
+
+    index: int  # which completion: prompts in order, the n samples of each consecutively
+    text: str  # text since this completion's previous delta (may be empty on the last one)
+    completion: TextCompletion | None = None  # set on the completion's last delta
+
+
+@dataclasses.dataclass
+class _RowText:
+    """Host-side progress of one decode row."""
+
+    stops: tuple[str, ...]
+    shown: int = 0  # characters already streamed
+    finished: bool = False
+
+
+def _text_of(tokenizer, tokens: list[int], final: bool) -> str:
+    """Decoded text; while the row runs, without a trailing incomplete character."""
+    text = tokenizer.decode(tokens)
+    return text if final else text.rstrip(INCOMPLETE)
+
+
+def _stop_cut(tokenizer, tokens: list[int], text: str, stops) -> tuple[str, list[int]] | None:
+    """If `text` contains a stop string: the text before it and the tokens through the one
+    that completed it (the first prefix whose text reaches the stop string's end)."""
+    hit = stopping.find_stop(text, stops)
+    if hit is None:
+        return None
+    start, end = hit
+    k = next((k for k in range(1, len(tokens) + 1)
+              if len(_text_of(tokenizer, tokens[:k], final=False)) >= end), len(tokens))
+    return text[:start], tokens[:k]
 
 
 class LLM:
@@ -39,26 +89,65 @@ class LLM:
         return cls(params, config, tokenizer)
 
     def generate(self, prompts: list[str], sampling=None) -> list[TextCompletion]:
-        """Generate for each text prompt. Stop strings are searched in the generated text
-        and the output is cut before the first one.
+        """Generate for each text prompt: one TextCompletion per prompt and sample, in order.
 
+        Args:
+          sampling: one SamplingParams for all prompts or one per prompt.
         Raises:
           ValueError: a prompt character outside the tokenizer's vocabulary, or any invalid
-            request (see `inference.engine.validate`).
+            request (see `inference.engine.validate`), before anything runs.
         """
-        sampling = sampling or SamplingParams()
-        per_prompt = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-        token_prompts = [self.tokenizer.encode(p) for p in prompts]
-        no_strings = [dataclasses.replace(s, stop=()) for s in per_prompt]
-        completions = generate(self.params, self.config, token_prompts, no_strings,
-                               cache_dtype=self.cache_dtype)
-        stops = [s.stop for s in per_prompt for _ in range(s.n)]
-        return [self._finish(c, stop) for c, stop in zip(completions, stops)]
+        done = {d.index: d.completion for d in self.stream(prompts, sampling) if d.completion}
+        return [done[i] for i in range(len(done))]
 
-    def _finish(self, c: Completion, stops: tuple[str, ...]) -> TextCompletion:
-        text = self.tokenizer.decode(c.tokens)
-        cut = stopping.find_stop(text, stops)
+    def stream(self, prompts: list[str], sampling=None) -> Iterator[Delta]:
+        """Yield text deltas per completion as compiled chunks of decode steps finish; the
+        last delta of each completion carries its TextCompletion. Joined, a completion's
+        deltas equal its `generate` text. Raises as `generate`, before the first delta."""
+        token_prompts = [self.tokenizer.encode(p) for p in prompts]
+        token_prompts, per_prompt = engine.validate(self.config, token_prompts, sampling)
+        batch = engine.pack(self.config, token_prompts, per_prompt)
+        static = dict(capacity=batch.capacity, model_fns=engine.cached_model,
+                      cache_dtype=self.cache_dtype)
+        state = engine.start_program(
+            self.params, self.config, jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P),
+            jnp.asarray(batch.source_B), batch.stops, n_steps=batch.n_steps, n_top=batch.n_top,
+            **static,
+        )
+        rows = [_RowText(sp.stop) for sp in batch.requests]
+        while True:
+            host = engine.fetch(state)
+            deltas = [self._advance(batch, b, row, host) for b, row in enumerate(rows)
+                      if not row.finished]
+            yield from (d for d in deltas if d.text or d.completion)
+            stopped = [d.index for d in deltas
+                       if d.completion and d.completion.finish_reason == "stop"
+                       and not host.done[d.index]]
+            if stopped:
+                state = engine.mark_stopped(state, stopped)
+            if all(row.finished for row in rows):
+                return
+            state = engine.chunk_program(self.params, self.config, state, batch.rows, batch.stops,
+                                         pad_id=0, **static)
+
+    def _advance(self, batch: engine.Batch, b: int, row: _RowText, host) -> Delta:
+        """Row b's new text after a chunk, and its TextCompletion if it has now finished."""
+        n, finish = int(host.num_tokens[b]), int(host.finish[b])
+        tokens = host.tokens[b, :n].tolist()
+        text_tokens = tokens[:-1] if finish == stopping.EOS else tokens
+        done = bool(host.done[b])
+        text = _text_of(self.tokenizer, text_tokens, final=done)
+        cut = _stop_cut(self.tokenizer, text_tokens, text, row.stops) if row.stops else None
+        if cut is None and not done:  # still running: show what can no longer change
+            visible = text[: len(text) - stopping.held_back(text, row.stops)]
+            delta, row.shown = visible[row.shown:], len(visible)
+            return Delta(b, delta)
         if cut is None:
-            return TextCompletion(text, c.tokens, c.finish_reason, c.seed)
-        kept = len(self.tokenizer.encode(text[:cut]))  # char-level: one token per character
-        return TextCompletion(text[:cut], c.tokens[:kept], "stop", c.seed)
+            reason = stopping.FINISH_REASONS[finish]
+        else:
+            text, kept = cut
+            reason, n = "stop", len(kept)
+        c = engine.unpack_row(batch, b, host, n, reason)
+        row.finished = True
+        return Delta(b, text[row.shown:], TextCompletion(text, c.tokens, reason, c.seed,
+                                                         c.logprobs, c.top_logprobs))

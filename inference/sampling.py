@@ -15,8 +15,20 @@ sampler):
   4. top-k (k = 0 or k >= V is off), then top-p / nucleus (Holtzman et al. 2020) on the
      renormalized top-k distribution, then min-p (Nguyen et al. 2024) relative to the most
      likely token. Each filter always keeps the most likely token, so no row is ever empty.
-Penalties come first because they change which tokens are likely; the filters come after
-temperature because "top-p 0.9" is meant of the distribution actually sampled from.
+Why this order: penalties first, because they change which tokens are likely and must act
+on what the model said, not on a distribution already cut down (a penalized token may fall
+out of the top-k, which is the point). Greedy reads the penalized logits, so temperature 0
+is exactly the limit of temperature -> 0. Temperature before the filters, because top-p and
+min-p are statements about the distribution actually sampled from ("the smallest set
+holding 90% of what we draw from"); top-k is the same either way. Top-k before top-p keeps
+top-p's sort short in the common case and matches what users of other engines expect; min-p
+last because it is relative to the top token, which every filter keeps, so it commutes with
+the others.
+
+The three filters each keep a prefix of the tokens sorted by logit, so they share one stable
+descending sort per row (ties are broken by token id); the kept set is scattered back to
+vocabulary order and sampling draws from the masked, unsorted logits. A row's draw therefore
+depends only on its own logits and key, never on whether other rows filter.
 
 A row whose logits are all -inf or NaN (a finished or padded row) returns `pad_id`, and its
 NaN never reaches other rows.
@@ -57,12 +69,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # EOS ids: generation ends after emitting one
     stop: tuple[str, ...] = ()  # stop strings: output is cut before the first one found
     logprobs: int | None = None  # None = off; n >= 0 = sampled token's logprob + top n
-    n: int = 1  # independent samples of this prompt
+    n: int = 1  # independent samples of this prompt, sharing one prefill
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # token id sequences; output cut before one
 
     def __post_init__(self):
         set_ = object.__setattr__
-        set_(self, "stop_token_ids", tuple(self.stop_token_ids))
-        set_(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        set_(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
+        set_(self, "stop", (self.stop,) if isinstance(self.stop, str) else
+             _as_tuple("stop", self.stop))
+        set_(self, "stop_sequences", tuple(
+            _as_tuple("stop_sequences", q) for q in _as_tuple("stop_sequences", self.stop_sequences)
+        ))
         _check_real("temperature", self.temperature, 0.0, math.inf, "[0, inf)")
         _check_int("top_k", self.top_k, 0, None, ">= 0 (0 = off)")
         _check_real("top_p", self.top_p, 0.0, 1.0, "[0, 1]")
@@ -77,7 +94,14 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id, 0, None, "token ids >= 0")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {s!r}")
+                raise ValueError(f"SamplingParams.stop={s!r} is out of range; allowed: "
+                                 "non-empty strings")
+        for sequence in self.stop_sequences:
+            if not sequence:
+                raise ValueError("SamplingParams.stop_sequences=() is out of range; allowed: "
+                                 "non-empty sequences of token ids >= 0")
+            for token_id in sequence:
+                _check_int("stop_sequences", token_id, 0, None, "token ids >= 0")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"None or [0, {MAX_LOGPROBS}]")
         _check_int("n", self.n, 1, None, ">= 1")
@@ -85,6 +109,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _as_tuple(name, value) -> tuple:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"SamplingParams.{name}={value!r} is out of range; allowed: a list")
+    return tuple(value)
 
 
 def _check_real(name, value, low, high, allowed):
@@ -158,42 +188,53 @@ def apply_temperature(logits_BV, temperature_B):
     return shifted_BV / safe_B[:, None]
 
 
-def top_k_filter(logits_BV, top_k_B):
-    """Set all but the k largest logits of each row to -inf. k = 0 or k >= V keeps all."""
-    V = logits_BV.shape[-1]
-    k_B = jnp.where((top_k_B <= 0) | (top_k_B > V), V, top_k_B)
-    sorted_BV = -jnp.sort(-logits_BV, axis=-1)
-    kth_B1 = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)
-    return jnp.where(logits_BV >= kth_B1, logits_BV, -jnp.inf)
-
-
-def top_p_keep(probs_BV, top_p_B):
-    """Nucleus mask: keep a token iff the probability of strictly more likely tokens (in
-    sorted order) is below top_p. The most likely token is always kept.
+def top_p_keep(sorted_probs_BV, top_p_B):
+    """Nucleus mask on probabilities sorted in descending order: keep a token iff the
+    probability of the tokens before it is below top_p. The most likely token is always
+    kept, and top_p >= 1 keeps every token (float rounding of the running sum cannot drop
+    the tail).
 
     With probs [0.5, 0.25, 0.125, 0.125]: top_p 0.5 keeps {0}; 0.51, 0.6 and 0.75 keep
     {0, 1}; 1.0 keeps all.
     """
-    B, V = probs_BV.shape
-    order_BV = jnp.argsort(-probs_BV, axis=-1, stable=True)
-    sorted_BV = jnp.take_along_axis(probs_BV, order_BV, axis=-1)
+    B = sorted_probs_BV.shape[0]
     mass_before_BV = jnp.concatenate(
-        [jnp.zeros((B, 1), sorted_BV.dtype), jnp.cumsum(sorted_BV, axis=-1)[:, :-1]], axis=-1
+        [jnp.zeros((B, 1), sorted_probs_BV.dtype), jnp.cumsum(sorted_probs_BV, axis=-1)[:, :-1]],
+        axis=-1,
     )
-    keep_sorted_BV = (mass_before_BV < top_p_B[:, None]).at[:, 0].set(True)
-    return jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], order_BV].set(keep_sorted_BV)
+    top_p_B1 = top_p_B[:, None]
+    return (mass_before_BV < top_p_B1).at[:, 0].set(True) | (top_p_B1 >= 1)
 
 
-def min_p_keep(probs_BV, min_p_B):
-    """Keep tokens whose probability is at least min_p times the row's largest."""
-    return probs_BV >= min_p_B[:, None] * probs_BV.max(-1, keepdims=True)
+def min_p_keep(sorted_probs_BV, min_p_B):
+    """Keep tokens whose probability is at least min_p times the row's largest (the first,
+    as the probabilities are sorted in descending order)."""
+    return sorted_probs_BV >= min_p_B[:, None] * sorted_probs_BV[:, :1]
+
+
+def keep_sorted(sorted_logits_BV, top_k_B, top_p_B, min_p_B):
+    """bool `[B, V]` over logits sorted in descending order: top-k, then top-p on the
+    renormalized top-k distribution, then min-p. Each keeps a prefix, so their AND does."""
+    V = sorted_logits_BV.shape[-1]
+    k_B1 = jnp.where((top_k_B <= 0) | (top_k_B > V), V, top_k_B)[:, None]
+    in_top_k_BV = jnp.arange(V)[None, :] < k_B1
+    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_logits_BV, -jnp.inf), axis=-1)
+    return in_top_k_BV & top_p_keep(probs_BV, top_p_B) & min_p_keep(probs_BV, min_p_B)
 
 
 def filter_logits(logits_BV, top_k_B, top_p_B, min_p_B):
-    """Top-k, then top-p on the renormalized result, then min-p. Removed tokens get -inf."""
-    logits_BV = top_k_filter(logits_BV, top_k_B)
-    probs_BV = jax.nn.softmax(logits_BV, axis=-1)
-    keep_BV = top_p_keep(probs_BV, top_p_B) & min_p_keep(probs_BV, min_p_B)
+    """Top-k, top-p and min-p with one stable descending sort per row (ties by token id).
+    Removed tokens get -inf; the most likely token is always kept.
+
+    Args:
+      logits_BV: float32 logits, finite where not already removed (-inf).
+      top_k_B: int32, 0 or >= V is off. top_p_B: float32, 1 is off. min_p_B: 0 is off.
+    """
+    B, V = logits_BV.shape
+    order_BV = jnp.argsort(-logits_BV, axis=-1, stable=True)
+    sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
+    keep_sorted_BV = keep_sorted(sorted_BV, top_k_B, top_p_B, min_p_B)
+    keep_BV = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], order_BV].set(keep_sorted_BV)
     return jnp.where(keep_BV, logits_BV, -jnp.inf)
 
 

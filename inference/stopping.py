@@ -1,9 +1,13 @@
-"""Stop conditions: EOS ids and length limits inside the compiled loop; stop strings on text.
+"""Stop conditions: EOS ids, token stop sequences and length limits inside the compiled
+loop; stop strings on text, on the host between compiled chunks.
 
 A row finishes after the step that emits one of its EOS ids (the EOS token is kept and
-counted) or when it has produced `max_new_tokens`. Stop strings need text, so they are
-checked on the host between compiled chunks (`inference.llm`), and the output is cut before
-the first stop string.
+counted), when its output ends with one of its token stop sequences (the output is cut
+before the sequence), or when it has produced `max_new_tokens`. Stop strings need text, so
+`inference.llm` decodes each row between chunks, finds the first point where the text
+contains a stop string (`find_stop`), cuts the text before it and marks the row finished.
+While a row runs, a streamed delta holds back any tail that could still grow into a stop
+string (`held_back`).
 """
 
 from __future__ import annotations
@@ -17,21 +21,38 @@ from flax import struct
 RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
 FINISH_REASONS = {EOS: "eos", STOP: "stop", LENGTH: "length"}
 
+UNUSED = -1  # padding in the id arrays below; never equal to a token
+BEFORE_START = -2  # fills a row's recent-token window before its first token
+
+
+def _width(n: int) -> int:
+    """Array width for n entries: a multiple of 4, at least 4 (few shapes, few compiles)."""
+    return max(4, -(-n // 4) * 4)
+
 
 @struct.dataclass
 class StopArrays:
     max_new_tokens: jax.Array  # [B] int32, most tokens each row may generate
-    stop_token_ids: jax.Array  # [B, E] int32, EOS ids per row, padded with -1
+    stop_token_ids: jax.Array  # [B, E] int32, EOS ids per row, padded with UNUSED
+    stop_sequences: jax.Array  # [B, Q, M] int32, token stop sequences, right-aligned, UNUSED-padded
 
     @classmethod
-    def from_lists(cls, max_new_tokens: list[int], stop_token_ids: list[tuple[int, ...]]):
-        width = max(4, -(-max(map(len, stop_token_ids), default=0) // 4) * 4)  # bounded shapes
-        ids = np.full((len(stop_token_ids), width), -1, np.int32)
+    def from_lists(cls, max_new_tokens: list[int], stop_token_ids: list[tuple[int, ...]],
+                   stop_sequences: list[tuple[tuple[int, ...], ...]]):
+        ids = np.full((len(stop_token_ids), _width(max(map(len, stop_token_ids), default=0))),
+                      UNUSED, np.int32)
         for row, row_ids in enumerate(stop_token_ids):
             ids[row, : len(row_ids)] = row_ids
+        Q = _width(max(map(len, stop_sequences), default=0))
+        M = _width(max((len(q) for row in stop_sequences for q in row), default=0))
+        sequences = np.full((len(stop_sequences), Q, M), UNUSED, np.int32)
+        for row, row_sequences in enumerate(stop_sequences):
+            for q, sequence in enumerate(row_sequences):
+                sequences[row, q, M - len(sequence):] = sequence
         return cls(
             max_new_tokens=jnp.asarray(np.array(max_new_tokens, np.int32)),
             stop_token_ids=jnp.asarray(ids),
+            stop_sequences=jnp.asarray(sequences),
         )
 
 
@@ -40,10 +61,26 @@ def is_eos(tokens_B: jax.Array, stop_token_ids_BE: jax.Array) -> jax.Array:
     return (tokens_B[:, None] == stop_token_ids_BE).any(-1)
 
 
-def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
-    """Index in `text` of the earliest stop string that begins at or after `start`, or None."""
-    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else None
+def matched_stop_length(recent_BM: jax.Array, stop_sequences_BQM: jax.Array) -> jax.Array:
+    """int32 `[B]`: length of the longest token stop sequence the row's output ends with, 0 if
+    none. `recent_BM` holds the row's last M tokens (BEFORE_START where the output is shorter),
+    so a sequence never matches across the prompt boundary."""
+    used_BQM = stop_sequences_BQM != UNUSED
+    same_BQM = stop_sequences_BQM == recent_BM[:, None, :]
+    matched_BQ = (same_BQM | ~used_BQM).all(-1) & used_BQM.any(-1)
+    return jnp.where(matched_BQ, used_BQM.sum(-1), 0).max(-1).astype(jnp.int32)
+
+
+def find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, int] | None:
+    """The first point where `text` contains a stop string: `(start, end)` of the occurrence
+    that ends earliest (ties: the one that starts earliest), or None. This is what checking
+    after every character would find, so the answer does not depend on how the text arrived.
+    """
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return None
+    end, start = min(hits)
+    return start, end
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
