@@ -1,4 +1,4 @@
-"""Character-level tokenizer, saved as JSON beside a checkpoint."""
+"""Tokenizers saved as JSON beside a checkpoint: character-level and byte-level BPE."""
 
 from __future__ import annotations
 
@@ -54,3 +54,70 @@ class CharTokenizer:
         if data.get("kind") != cls.kind:
             raise ValueError(f"{path} holds a {data.get('kind')!r} tokenizer, not 'char'")
         return cls(data["chars"])
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2 style, Sennrich et al. 2016; Radford et al. 2019) trained on a
+    corpus with the Hugging Face `tokenizers` library, saved in its own `tokenizer.json`
+    format. Any Unicode text round-trips exactly (the 256 byte symbols are always in the
+    vocabulary), including text the tokenizer never saw.
+    """
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer  # a tokenizers.Tokenizer with byte-level pre/post steps
+
+    @classmethod
+    def from_text(cls, text: str, vocab_size: int = 512) -> BPETokenizer:
+        """Train on `text`. Raises ValueError for empty text or vocab_size < 257 (the 256
+        bytes plus at least one merge) or > 2**20."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if not text:
+            raise ValueError("cannot train a BPE tokenizer on empty text")
+        if not 257 <= vocab_size <= 2**20:
+            raise ValueError(f"BPE vocab_size must be in [257, {2**20}], got {vocab_size}")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+        return cls(tok)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def save(self, path: str | os.PathLike) -> None:
+        self.tokenizer.save(str(path))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> BPETokenizer:
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)))
+
+
+def load_tokenizer_file(path: str | os.PathLike) -> CharTokenizer | BPETokenizer:
+    """Load a tokenizer saved by either class: ours carry `"kind": "char"`, a BPE file is
+    the `tokenizers` JSON format (with a `"model"` entry).
+
+    Raises:
+      ValueError: the file is neither, naming it.
+    """
+    data = json.loads(Path(path).read_text())
+    if data.get("kind") == CharTokenizer.kind:
+        return CharTokenizer.load(path)
+    if data.get("model", {}).get("type") == "BPE":
+        return BPETokenizer.load(path)
+    raise ValueError(f"{path} is neither a char tokenizer nor a tokenizers BPE file")
