@@ -1,0 +1,134 @@
+"""Text front: stop strings on a toy multi-character vocabulary (a stop string that starts
+inside a token, spans tokens, ends inside one, or sits inside one), streaming that never
+leaks a stop string nor a broken UTF-8 character, and joins to the generated text."""
+
+import numpy as np
+import pytest
+
+from conftest import lively_params
+from gpt_jax import GPTConfig
+from inference.llm import LLM
+from inference.sampling import SamplingParams
+
+WIDTH = 5  # characters per token of the toy vocabulary
+
+
+class PieceTokenizer:
+    """64 distinct 5-character pieces over 'abcdefgh'; encode splits text into pieces."""
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        pieces = set()
+        while len(pieces) < 64:
+            pieces.add("".join(rng.choice(list("abcdefgh"), WIDTH)))
+        self.pieces = sorted(pieces)
+        self.ids = {p: i for i, p in enumerate(self.pieces)}
+
+    def encode(self, text):
+        return [self.ids[text[i:i + WIDTH]] for i in range(0, len(text), WIDTH)]
+
+    def decode(self, ids):
+        return "".join(self.pieces[int(i)] for i in ids)
+
+
+class ByteTokenizer:
+    """Byte-level: ids 0-31 are ASCII letters, 32-47 lead bytes of 2-byte UTF-8 characters
+    (0xC2-0xD1), 48-63 continuation bytes (0x80-0x8F); decode replaces broken bytes."""
+
+    BYTES = [ord(c) for c in "abcdefghijklmnopqrstuvwxyzABCDEF"] + list(range(0xC2, 0xD2)) + \
+        list(range(0x80, 0x90))
+
+    def encode(self, text):
+        return [self.BYTES.index(b) for b in text.encode()]
+
+    def decode(self, ids):
+        return bytes(self.BYTES[int(i)] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def llm(config, params):
+    return LLM(params, config, PIECES)
+
+
+PIECES = PieceTokenizer()
+PROMPT = PIECES.decode([5, 40])
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
+
+
+def first_at(text, width, offset, after=3):
+    """A substring of `width` characters starting `offset` into some token (from token
+    `after` on) whose first occurrence in `text` is exactly there."""
+    for t in range(after, len(text) // WIDTH - 2):
+        s = t * WIDTH + offset
+        if text.find(text[s:s + width]) == s:
+            return s, text[s:s + width]
+    raise AssertionError(f"no unique stop string candidate in {text!r}")
+
+
+def joined_and_checked(deltas, n_rows):
+    """Join each completion's deltas, asserting every partial join is a prefix of the final
+    text (nothing shown is ever taken back) and the last delta carries the completion."""
+    texts, completions = [""] * n_rows, [None] * n_rows
+    for d in deltas:
+        assert completions[d.index] is None, "delta after the completion's last"
+        texts[d.index] += d.text
+        completions[d.index] = d.completion
+        if d.completion:
+            assert texts[d.index] == d.completion.text
+    for text, c in zip(texts, completions):
+        assert c is not None and c.text.startswith(text)
+    return texts, completions
+
+
+@pytest.mark.parametrize("width, offset, case", [
+    (9, 2, "starts inside a token, spans the next, ends inside the one after"),
+    (4, 3, "starts inside a token, ends inside the next"),
+    (3, 1, "sits inside one token"),
+])
+def test_stop_string_cuts_text_stops_the_row_and_never_streams(llm, width, offset, case):
+    (full,) = llm.generate([PROMPT], GREEDY)
+    assert len(set(llm.tokenizer.encode(full.text))) >= 5
+    start, stop = first_at(full.text, width, offset)
+    end = start + width
+    other = PIECES.decode([17, 3, 60])
+    (other_full,) = llm.generate([other], GREEDY)
+    sampling = [SamplingParams(temperature=0.0, max_new_tokens=48, stop=["zzz", stop]), GREEDY]
+
+    out, other_out = llm.generate([PROMPT, other], sampling)
+    assert out.text == full.text[:start] and out.finish_reason == "stop"
+    assert out.tokens == full.tokens[: -(-end // WIDTH)]  # through the completing token
+    assert other_out.text == other_full.text  # the other row runs on, unchanged
+
+    texts, completions = joined_and_checked(llm.stream([PROMPT, other], sampling), 2)
+    assert texts == [out.text, other_out.text]
+    assert completions[0].tokens == out.tokens
+
+
+def test_a_stop_prefix_that_never_completes_is_released(llm):
+    (full,) = llm.generate([PROMPT], GREEDY)
+    _, piece = first_at(full.text, 4, 2)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=48, stop=[piece + "z"])
+    texts, (c,) = joined_and_checked(llm.stream([PROMPT], sampling), 1)
+    assert texts == [full.text] and c.finish_reason == "length" and c.tokens == full.tokens
+
+
+def test_streamed_bytes_never_break_a_character(config):
+    llm = LLM(lively_params(config, seed=3), config, ByteTokenizer())
+    sampling = SamplingParams(temperature=1.5, max_new_tokens=64, n=8, seed=5)
+    texts, completions = joined_and_checked(llm.stream(["abc"], sampling), 8)
+    assert texts == [c.text for c in llm.generate(["abc"], sampling)]
+    # the test can fail only if some chunk ended inside a character that a later token completed
+    split = [k for c in completions for k in range(8, len(c.tokens), 8)
+             if not c.text.startswith(llm.tokenizer.decode(c.tokens[:k]))]
+    assert split, "no character was split across a chunk boundary"
+    assert any(ord(ch) > 127 and ch != "\ufffd" for t in texts for ch in t)
+
+
+def test_n_samples_and_logprobs_reach_the_text_completion(llm):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=3, seed=2, logprobs=2)
+    outs = llm.generate([PROMPT], sampling)
+    assert len(outs) == 3 and len({o.text for o in outs}) == 3
+    for o in outs:
+        assert o.seed == 2 and len(o.logprobs) == len(o.tokens) == 8
+        assert all(len(top) == 2 and max(top.values()) >= lp for top, lp in
+                   zip(o.top_logprobs, o.logprobs))

@@ -1,0 +1,379 @@
+"""Sampler: cases G08, G09, G10, G12, G13, G20 of shared/cases/generation.md, every option
+applied, per-row parameters without recompiling, and exact distributions (chi-square)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from conftest import assert_close, assert_lively
+from gpt_jax import forward
+from inference import engine, generate
+from inference.sampling import (
+    SamplingArrays, SamplingParams, apply_penalties, apply_temperature, filter_logits,
+    min_p_keep, sample, top_p_keep,
+)
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def arrays(*params, seeds=None):
+    seeds = seeds or [7] * len(params)
+    return SamplingArrays.from_params(list(params), seeds, [0] * len(params))
+
+
+@functools.partial(jax.jit, static_argnames=("n_draws", "pad_id"))
+def draws(logits_BV, rows, seen_BV=None, counts_BV=None, *, n_draws=1, pad_id=0):
+    """int32 `[n_draws, B]`: sample() at steps 0..n_draws-1 (a fresh key per step)."""
+    B, V = logits_BV.shape
+    seen_BV = jnp.zeros((B, V), bool) if seen_BV is None else seen_BV
+    counts_BV = jnp.zeros((B, V), jnp.int32) if counts_BV is None else counts_BV
+    return jax.vmap(lambda i: sample(logits_BV, rows, seen_BV, counts_BV, i, pad_id))(
+        jnp.arange(n_draws))
+
+
+def kept(logits, top_k=0, top_p=1.0, min_p=0.0):
+    """The set of token ids filter_logits keeps for a one-row logits list."""
+    out = filter_logits(jnp.asarray([logits], jnp.float32), jnp.array([top_k]),
+                        jnp.array([top_p], jnp.float32), jnp.array([min_p], jnp.float32))
+    return set(np.flatnonzero(np.isfinite(np.asarray(out[0]))).tolist())
+
+
+# ----------------------------------------------------------------------------------- G08
+
+
+@pytest.mark.parametrize("top_p, expected", [
+    (0.75, [1, 1, 0, 0]), (0.6, [1, 1, 0, 0]), (0.5, [1, 0, 0, 0]), (0.51, [1, 1, 0, 0]),
+    (1.0, [1, 1, 1, 1]),
+])
+def test_g08_top_p_on_dyadic_probabilities(top_p, expected):
+    probs = jnp.array([[0.5, 0.25, 0.125, 0.125]], jnp.float32)
+    assert top_p_keep(probs, jnp.array([top_p], jnp.float32))[0].tolist() == [bool(e) for e in expected]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_g08_top_p_cutoff_on_unsorted_logits_two_rows(dtype):
+    probs = np.array([0.125, 0.5, 0.125, 0.25])  # most likely 1, then 3, then 0 and 2 (tie)
+    logits = jnp.asarray(np.log(np.stack([probs, probs])), dtype)
+    # the mass of the top two is 0.75 in float32; in bfloat16, that of the rounded logits
+    rounded = np.asarray(logits[0].astype(jnp.float32), np.float64)
+    mass = (np.exp(rounded) / np.exp(rounded).sum())[[1, 3]].sum()
+    assert abs(mass - 0.75) < (1e-6 if dtype == jnp.float32 else 1e-2)
+    top_p = jnp.array([mass - 1e-4, mass + 1e-4], jnp.float32)
+    out = filter_logits(logits.astype(jnp.float32), jnp.array([0, 0]), top_p, jnp.zeros(2))
+    assert np.isfinite(np.asarray(out[0])).tolist() == [False, True, False, True]
+    assert np.isfinite(np.asarray(out[1])).tolist() == [True, True, False, True]  # tie: lower id
+
+    rows = arrays(*[SamplingParams(top_p=float(p)) for p in top_p])
+    got = np.asarray(draws(logits, rows, n_draws=20_000))
+    assert set(got[:, 0].tolist()) == {1, 3}
+    assert set(got[:, 1].tolist()) == {0, 1, 3}
+
+
+# ----------------------------------------------------------------------------------- G09
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("top_p", [0.0, 1e-8])
+def test_g09_top_p_zero_keeps_the_argmax(dtype, top_p):
+    logits = jnp.asarray([[0.1, 1.0, -0.5, 2.5, 2.0, 0.0]], dtype)
+    got = draws(logits, arrays(SamplingParams(top_p=top_p)), n_draws=1000)
+    assert (np.asarray(got) == 3).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_g09_one_hot_row_with_every_filter_on(dtype):
+    logits = jnp.full((1, 16), -jnp.inf, dtype).at[0, 7].set(0.0)
+    sp = SamplingParams(top_p=0.9, top_k=5, temperature=0.7, min_p=0.1)
+    assert (np.asarray(draws(logits, arrays(sp), n_draws=1000)) == 7).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_g09_dead_rows_return_pad_and_do_not_touch_other_rows(dtype):
+    live = np.random.default_rng(0).normal(size=16)
+    logits = jnp.asarray(np.stack([np.full(16, -np.inf), live, np.full(16, np.nan)]), dtype)
+    sp = SamplingParams(top_p=0.9, top_k=5, temperature=0.7, min_p=0.1, seed=3)
+    got = np.asarray(draws(logits, arrays(sp, sp, sp), n_draws=1000, pad_id=5))
+    solo = np.asarray(draws(logits[1:2], arrays(sp), n_draws=1000, pad_id=5))
+    assert (got[:, 0] == 5).all() and (got[:, 2] == 5).all()
+    assert (got[:, 1] == solo[:, 0]).all() and len(set(solo[:, 0].tolist())) > 1
+
+
+# ----------------------------------------------------------------------------------- G10
+
+
+@pytest.mark.parametrize("top_k", [0, 65, 1000])
+def test_g10_top_k_off_values_filter_nothing(top_k):
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(1, 65)), jnp.float32)
+    out = filter_logits(logits, jnp.array([top_k]), jnp.ones(1), jnp.zeros(1))
+    assert_close(out, logits, 0.0, "filtered logits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_g10_top_k_one_is_greedy_and_top_k_zero_samples_widely(dtype):
+    logits = jnp.asarray(np.random.default_rng(2).normal(scale=0.3, size=(3, 65)), dtype)
+    greedy = np.asarray(jnp.argmax(logits.astype(jnp.float32), -1))
+    got = np.asarray(draws(logits, arrays(*[SamplingParams(top_k=1)] * 3), n_draws=1000))
+    assert (got == greedy[None]).all()
+    wide = np.asarray(draws(logits[:1], arrays(SamplingParams(top_k=0)), n_draws=20_000))
+    assert len(set(wide[:, 0].tolist())) >= 10
+
+
+def test_g10_per_row_top_k_in_one_batch_equals_solo():
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(3, 65)), jnp.float32)
+    params = [SamplingParams(top_k=k, seed=s) for k, s in ((0, 1), (5, 2), (1000, 3))]
+    batched = np.asarray(draws(logits, arrays(*params, seeds=[1, 2, 3]), n_draws=1000))
+    for b, sp in enumerate(params):
+        solo = np.asarray(draws(logits[b:b + 1], arrays(sp, seeds=[sp.seed]), n_draws=1000))
+        assert (batched[:, b] == solo[:, 0]).all()
+    top5 = set(np.argsort(-np.asarray(logits[1]))[:5].tolist())
+    assert set(batched[:, 1].tolist()) == top5
+
+
+def test_g10_negative_top_k_is_rejected_before_tracing():
+    with pytest.raises(ValueError, match=r"SamplingParams.top_k=-1 is out of range; allowed: >= 0"):
+        SamplingParams(top_k=-1)
+
+
+# ----------------------------------------------------------------------------------- G12
+
+G12_LOGITS = [3.0, 2.9, 11.0, -2.4]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_g12_temperature_zero_is_argmax_without_division(dtype):
+    logits = jnp.asarray([G12_LOGITS], dtype)
+    assert (np.asarray(draws(logits, arrays(SamplingParams(temperature=0.0)), n_draws=1000)) == 2).all()
+    # the greedy row's logits are only shifted by their maximum: the division is by exactly 1
+    shifted = apply_temperature(logits.astype(jnp.float32), jnp.zeros(1))
+    as_f32 = np.asarray(logits.astype(jnp.float32))
+    assert_close(shifted, as_f32 - as_f32.max(), 0.0, "greedy-row logits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", [1e-5, 1e-8, 1e-12])
+def test_g12_tiny_temperatures_stay_finite(dtype, temperature):
+    logits = jnp.asarray([G12_LOGITS], dtype)
+    probs = jax.nn.softmax(apply_temperature(logits.astype(jnp.float32), jnp.array([temperature])))
+    assert np.isfinite(np.asarray(probs)).all()
+    got = draws(logits, arrays(SamplingParams(temperature=temperature)), n_draws=1000)
+    assert (np.asarray(got) == 2).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_g12_mixed_temperatures_in_one_compiled_step(dtype):
+    logits = jnp.asarray([G12_LOGITS] * 3, dtype)
+    run = lambda temps: draws(logits, arrays(*[SamplingParams(temperature=t) for t in temps]),  # noqa: E731
+                              n_draws=1000)
+    run([0.5, 0.5, 0.5])
+    before = draws._cache_size()
+    got = np.asarray(run([0.0, 1e-6, 1.0]))
+    assert draws._cache_size() == before  # new values, no new program
+    assert (got[:, :2] == 2).all()
+    hot = np.asarray(run([0.0, 1e-6, 8.0]))[:, 2]
+    assert len(set(hot.tolist())) > 1
+
+
+# ----------------------------------------------------------------------------------- G13
+
+G13_LOGITS = jnp.array([[2.0, -2.0, 0.5, -1.0]])
+
+
+def penalize(seen, counts, repetition=1.0, presence=0.0, frequency=0.0):
+    return apply_penalties(G13_LOGITS, jnp.array([seen]), jnp.array([counts], jnp.int32),
+                           jnp.array([repetition]), jnp.array([presence]), jnp.array([frequency]))
+
+
+def test_g13_repetition_penalty_lowers_positive_and_negative_logits():
+    out = penalize([True, True, False, False], [0, 0, 0, 0], repetition=2.0)
+    assert_close(out, [[1.0, -4.0, 0.5, -1.0]], 0.0, "penalized logits")
+    before, after = jax.nn.softmax(G13_LOGITS)[0], jax.nn.softmax(out)[0]
+    assert after[0] < before[0] and after[1] < before[1]
+    assert_close(penalize([True, True, False, False], [0, 0, 0, 0], repetition=1.0), G13_LOGITS,
+                 0.0, "logits under penalty 1")
+
+
+def test_g13_repetition_once_frequency_per_occurrence():
+    out = penalize([False] * 4, [3, 0, 0, 0], repetition=2.0, frequency=0.25, presence=0.5)
+    assert_close(out, [[2.0 / 2 - 0.5 - 3 * 0.25, -2.0, 0.5, -1.0]], 1e-6, "penalized logits")
+
+
+# ----------------------------------------------------------------------------------- G20
+
+
+def test_g20_min_p_threshold_relative_to_the_top_token():
+    probs = jnp.array([[0.5, 0.3, 0.09, 0.06, 0.05]], jnp.float32)
+    assert min_p_keep(probs, jnp.array([0.2]))[0].tolist() == [True, True, False, False, False]
+    assert min_p_keep(probs, jnp.array([0.0]))[0].all()
+    assert kept(np.log([0.09, 0.5, 0.05, 0.3, 0.06]), min_p=0.2) == {1, 3}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("option, on, seen, counts, changed", [
+    # logits [2.0, 1.9, -30, -30]: every option below must move the draws off {0, 1} or off 0
+    ("temperature", dict(temperature=0.0), None, None, "only_0"),
+    ("top_k", dict(top_k=1), None, None, "only_0"),
+    ("top_p", dict(top_p=0.5), None, None, "only_0"),
+    ("min_p", dict(min_p=0.95), None, None, "only_0"),
+    ("repetition_penalty", dict(temperature=0.0, repetition_penalty=2.0), [1, 0, 0, 0], None, "only_1"),
+    ("presence_penalty", dict(temperature=0.0, presence_penalty=0.5), None, [1, 0, 0, 0], "only_1"),
+    ("frequency_penalty", dict(temperature=0.0, frequency_penalty=0.2), None, [1, 0, 0, 0], "only_1"),
+    ("seed", dict(seed=8), None, None, "different"),
+])
+def test_g20_every_option_changes_the_draws(dtype, option, on, seen, counts, changed):
+    logits = jnp.asarray([[2.0, 1.9, -30.0, -30.0]], dtype)
+    seen = None if seen is None else jnp.array([seen], bool)
+    counts = None if counts is None else jnp.array([counts], jnp.int32)
+    base = dict(temperature=1.0, seed=7) if "penalty" not in option else dict(temperature=0.0)
+    off = np.asarray(draws(logits, arrays(SamplingParams(**base), seeds=[7]), seen, counts,
+                           n_draws=1000))[:, 0]
+    sp = SamplingParams(**{**base, **on})
+    got = np.asarray(draws(logits, arrays(sp, seeds=[sp.seed or 7]), seen, counts,
+                           n_draws=1000))[:, 0]
+    expected_off = {0} if "penalty" in option else {0, 1}
+    assert set(off.tolist()) == expected_off
+    if changed == "only_0":
+        assert set(got.tolist()) == {0}
+    elif changed == "only_1":
+        assert set(got.tolist()) == {1}
+    else:
+        assert (got != off).any() and set(got.tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("temperature", -0.1, r"\[0, inf\)"), ("temperature", float("nan"), r"\[0, inf\)"),
+    ("top_k", 1.5, ">= 0"), ("top_p", 1.01, r"\[0, 1\]"), ("min_p", -0.1, r"\[0, 1\]"),
+    ("repetition_penalty", 0.0, r"\(0, inf\)"), ("presence_penalty", 2.5, r"\[-2, 2\]"),
+    ("frequency_penalty", -3.0, r"\[-2, 2\]"), ("seed", -1, r"None or \[0, 2\*\*32 - 1\]"),
+    ("seed", 2**32, r"None or \[0, 2\*\*32 - 1\]"), ("max_new_tokens", -1, ">= 0"),
+    ("stop_token_ids", [-3], "token ids >= 0"), ("stop", [""], "non-empty strings"),
+    ("logprobs", 21, r"None or \[0, 20\]"), ("n", 0, ">= 1"),
+    ("stop_sequences", [[1, -2]], "token ids >= 0"), ("stop_sequences", [[]], "non-empty"),
+    ("stop_token_ids", 5, "a list"),
+])
+def test_out_of_range_values_are_rejected_naming_field_value_and_range(field, value, allowed):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=.* is out of range; allowed: {allowed}"):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_option_raises():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'top_q'"):
+        SamplingParams(top_q=0.9)
+
+
+# ---------------------------------------------------------------------- exact distributions
+
+STAT_LOGITS = np.array([1.2, -0.3, 0.4, 2.0, -1.5, 0.9, 0.0, -0.8])
+
+
+def expected_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """float64, from the definitions: softmax(logits / T), then top-k, top-p, min-p."""
+    z = logits / temperature
+    order = np.argsort(-z, kind="stable")
+    p = np.exp(z[order] - z[order].max())
+    p[(top_k or len(z)):] = 0
+    p /= p.sum()
+    before = np.concatenate([[0.0], np.cumsum(p)[:-1]])
+    keep = (before < top_p) & (p >= min_p * p[0])
+    keep[0] = True
+    out = np.zeros(len(z))
+    out[order] = np.where(keep, p, 0.0) / np.where(keep, p, 0.0).sum()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empirical_frequencies_match_the_exact_distribution(dtype):
+    options = [dict(temperature=0.7), dict(top_k=3), dict(top_p=0.8), dict(min_p=0.2),
+               dict(temperature=1.5, top_k=6, top_p=0.9, min_p=0.1)]
+    logits = jnp.asarray(np.stack([STAT_LOGITS] * len(options)), dtype)
+    rows = arrays(*[SamplingParams(**o) for o in options], seeds=list(range(11, 16)))
+    got = np.asarray(draws(logits, rows, n_draws=20_000))
+    exact_logits = np.asarray(logits[0].astype(jnp.float32), np.float64)  # as rounded to dtype
+    for b, option in enumerate(options):
+        expected = expected_distribution(exact_logits, **option)
+        counts = np.bincount(got[:, b], minlength=len(STAT_LOGITS))
+        excluded = expected == 0
+        assert excluded.any() == ("temperature" not in option or len(option) > 1)
+        assert counts[excluded].sum() == 0, (option, counts)
+        p_value = stats.chisquare(counts[~excluded], 20_000 * expected[~excluded]).pvalue
+        assert p_value > 1e-3, (option, counts, expected, p_value)
+
+
+# ------------------------------------------------------------- requests through the engine
+
+PREFILL_ROWS = []  # prefill batch sizes traced by counting_model
+
+
+def counting_model(params, config, capacity, cache_dtype):
+    """The cached model, recording how many rows each compiled prefill runs."""
+    prefill_fn, step_fn = engine.cached_model(params, config, capacity, cache_dtype)
+
+    def counted(tokens_PT, lengths_P):
+        PREFILL_ROWS.append(tokens_PT.shape[0])
+        return prefill_fn(tokens_PT, lengths_P)
+
+    return counted, step_fn
+
+
+def test_n_samples_share_one_prefill_and_differ(config, params):
+    PREFILL_ROWS.clear()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=9)
+    outs = engine.run(params, config, [[4, 5, 6, 7]], sampling, model_fns=counting_model)
+    assert PREFILL_ROWS == [1]  # one compiled prefill, of one row, for four decode rows
+    assert len(outs) == 4 and len({tuple(o.tokens) for o in outs}) == 4
+    assert all(o.seed == 9 and len(o.tokens) == 12 for o in outs)
+    # sample k of n is the same whatever else runs beside it
+    again = engine.generate(params, config, [[1, 2], [4, 5, 6, 7]],
+                            [SamplingParams(temperature=0.5, max_new_tokens=12), sampling])
+    assert [o.tokens for o in again[1:]] == [o.tokens for o in outs]
+
+
+def test_seeded_request_is_the_same_alone_first_last_and_beside_unseeded(config, params):
+    seeded = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.02,
+                            repetition_penalty=1.2, frequency_penalty=0.3, max_new_tokens=24,
+                            seed=123)
+    others = [SamplingParams(temperature=0.8, max_new_tokens=20),
+              SamplingParams(temperature=0.0, presence_penalty=0.5, max_new_tokens=24)]
+    prompt, p1, p2 = [1, 2, 3], [9] * 11, [30, 31]
+    (alone,) = generate(params, config, [prompt], seeded)
+    assert_lively(alone.tokens)
+    first = generate(params, config, [prompt, p1, p2], [seeded] + others)
+    last = generate(params, config, [p2, p1, prompt], others[::-1] + [seeded])
+    assert first[0].tokens == alone.tokens == last[2].tokens
+    # an unseeded request reports the seed it drew, and that seed repeats it
+    replay = dataclasses.replace(others[0], seed=first[1].seed)
+    assert generate(params, config, [p1], replay)[0].tokens == first[1].tokens
+
+
+def test_penalties_ignore_padding_and_match_solo_runs(config, params):
+    seen = engine.prompt_seen(jnp.array([[0, 1, 3, 3]]), jnp.array([2]), 4)  # 3 is padding
+    out = apply_penalties(G13_LOGITS, seen, jnp.zeros((1, 4), jnp.int32), jnp.array([2.0]),
+                          jnp.zeros(1), jnp.zeros(1))
+    assert_close(out, [[1.0, -4.0, 0.5, -1.0]], 0.0, "penalized logits")
+    sampling = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.4,
+                              max_new_tokens=24)
+    prompts = [[3, 4], [5, 6, 7, 8, 9, 10, 11]]
+    batched = generate(params, config, prompts, sampling, pad_id=3)
+    for prompt, row in zip(prompts, batched):
+        assert row.tokens == generate(params, config, [prompt], sampling, pad_id=3)[0].tokens
+    plain = generate(params, config, prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=24))
+    assert plain[0].tokens != batched[0].tokens  # the penalties did act
+
+
+def test_logprobs_are_the_models_raw_log_probabilities(config, params):
+    prompt = [7, 8, 9]
+    (out,) = generate(params, config, [prompt], SamplingParams(
+        temperature=1.0, top_k=5, max_new_tokens=6, seed=1, logprobs=3))
+    logits = forward(params, jnp.asarray([prompt + out.tokens]), config)[0, len(prompt) - 1:-1]
+    expected = np.asarray(jax.nn.log_softmax(logits, -1))
+    assert_close(out.logprobs, expected[np.arange(6), out.tokens], 1e-5, "token logprobs")
+    for step, top in enumerate(out.top_logprobs):
+        best = np.argsort(-expected[step])[:3]
+        assert list(top) == best.tolist()
+        assert_close(list(top.values()), expected[step, best], 1e-5, "top logprobs")
+    (plain,) = generate(params, config, [prompt], SamplingParams(max_new_tokens=6, seed=1))
+    assert plain.logprobs is None and plain.top_logprobs is None

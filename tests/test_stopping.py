@@ -1,0 +1,111 @@
+"""Stop conditions: EOS bookkeeping (case G15), token stop sequences in the compiled loop,
+and the text helpers behind stop strings."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_lively
+from inference import engine, stopping
+from inference.sampling import SamplingParams
+
+EOS, PAD = 2, 1
+FORCED_AT = 5  # cache length at which row 0 (prompt of 3) produces its third token
+
+
+def forced_eos_model(params, config, capacity, cache_dtype):
+    """The cached model with a logit bias: EOS (id 2) is certain for the token produced at
+    cache length 5 (the third token of a 3-token prompt) and impossible everywhere else."""
+    prefill_fn, step_fn = engine.cached_model(params, config, capacity, cache_dtype)
+
+    def bias(logits_BV, cache):
+        forced_B = cache.lengths == FORCED_AT
+        return logits_BV.at[:, EOS].add(jnp.where(forced_B, 1e4, -1e4)), cache
+
+    return (lambda *a: bias(*prefill_fn(*a))), (lambda *a: bias(*step_fn(*a)))
+
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15]]  # row 1's lengths never equal FORCED_AT
+
+
+def run_state(params, config, sampling):
+    prompts, sampling = engine.validate(config, PROMPTS, sampling)
+    batch = engine.pack(config, prompts, sampling, pad_id=PAD)
+    state = engine.generate_program(
+        params, config, jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P),
+        jnp.asarray(batch.source_B), batch.rows, batch.stops, capacity=batch.capacity,
+        n_steps=batch.n_steps, n_top=batch.n_top, model_fns=forced_eos_model,
+        cache_dtype=jnp.float32, pad_id=PAD)
+    return batch, state
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[EOS], logprobs=2),
+    SamplingParams(temperature=1.0, top_k=30, max_new_tokens=6, stop_token_ids=[40, EOS, 41],
+                   repetition_penalty=1.3, seed=4, logprobs=2),
+], ids=["greedy", "sampled-several-eos-ids"])
+def test_g15_eos_is_written_counted_and_ends_only_its_row(config, params, sampling):
+    batch, state = run_state(params, config, sampling)
+    out = engine.unpack(batch, state)
+    tokens = np.asarray(state.tokens)
+    assert tokens[0, 2] == EOS and (tokens[0, 3:6] == PAD).all()
+    assert out[0].tokens == tokens[0, :3].tolist() and out[0].finish_reason == "eos"
+    assert int(state.num_tokens[0]) == 3
+    assert int(np.asarray(state.output_counts)[0].sum()) == 3  # nothing counted after EOS
+    assert int(state.model.lengths[0]) == FORCED_AT  # x1, x2 fed; EOS and later not fed
+    assert (np.asarray(state.logprobs)[0, 3:] == 0).all()
+    assert len(out[0].logprobs) == 3 and out[0].logprobs[2] > -1e-3  # EOS was certain
+    assert len(out[1].tokens) == 6 and out[1].finish_reason == "length"
+    solo = engine.run(params, config, PROMPTS[1:], sampling, model_fns=forced_eos_model)[0]
+    assert solo.tokens == out[1].tokens
+
+
+def test_token_stop_sequence_ends_the_row_and_is_cut(config, params):
+    prompt = [3, 4, 5]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
+    (ref,) = engine.generate(params, config, [prompt], greedy)
+    g = ref.tokens
+    assert_lively(g)
+    j = next(j for j in range(3, 30) if all(g[i:i + 2] != g[j:j + 2] for i in range(j)))
+    across = prompt[-2:] + g[:1]  # matches only across the prompt boundary
+    assert all(g[i:i + 3] != across for i in range(j + 1))
+    sequences = [g[j:j + 2], g[j - 1:j + 2], across]
+    (out,) = engine.generate(params, config, [prompt], SamplingParams(
+        temperature=0.0, max_new_tokens=40, stop_sequences=sequences))
+    assert out.tokens == g[:j - 1]  # the longer of the two matching sequences is cut
+    assert out.finish_reason == "stop"
+
+
+def test_stop_arrays_are_right_aligned_and_bucketed():
+    arrays = stopping.StopArrays.from_lists([5, 6], [(), (2, 3)], [((7,), (8, 9)), ()])
+    assert arrays.stop_token_ids.shape == (2, 4) and arrays.stop_token_ids[1, :2].tolist() == [2, 3]
+    seqs = np.asarray(arrays.stop_sequences)
+    assert seqs.shape == (2, 4, 4)
+    assert seqs[0, 0].tolist() == [-1, -1, -1, 7] and seqs[0, 1].tolist() == [-1, -1, 8, 9]
+    assert (seqs[1] == -1).all()
+
+
+def test_matched_stop_length_needs_the_whole_sequence_inside_the_output():
+    seqs = jnp.asarray(stopping.StopArrays.from_lists(
+        [9], [()], [((8, 9), (7, 8, 9), (4,))]).stop_sequences.repeat(4, axis=0))
+    b = stopping.BEFORE_START
+    recent = jnp.array([[b, b, 8, 9], [b, 7, 8, 9], [b, b, b, 9], [3, 4, 5, 9]])
+    assert stopping.matched_stop_length(recent, seqs).tolist() == [2, 3, 0, 0]
+
+
+@pytest.mark.parametrize("text, stops, expected", [
+    ("abcdef", ("cd",), (2, 4)),
+    ("abcdef", ("zz",), None),
+    ("abcdef", ("bcdef", "de"), (3, 5)),  # "de" is complete first
+    ("abcdef", ("cde", "bcde"), (1, 5)),  # both end at 5: the earlier start
+])
+def test_find_stop_picks_the_first_completed_stop_string(text, stops, expected):
+    assert stopping.find_stop(text, stops) == expected
+
+
+@pytest.mark.parametrize("text, stops, expected", [
+    ("hello wor", ("world",), 3), ("hello", ("world",), 0), ("abcab", ("abx", "cabz"), 3),
+    ("w", ("world",), 1), ("", ("world",), 0),
+])
+def test_held_back_is_the_longest_tail_that_may_start_a_stop_string(text, stops, expected):
+    assert stopping.held_back(text, stops) == expected
