@@ -17,8 +17,10 @@ $(VENV)/.demo-installed: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# torch first, alone: pip then takes the local CPU-only wheel, not the multi-GB CUDA build.
 $(VENV)/.test-installed: pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,hf]'
 	touch $@
 
 demo: $(VENV)/.demo-installed
