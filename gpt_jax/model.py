@@ -30,6 +30,10 @@ from gpt_jax.config import GPTConfig
 # Masked scores get a large finite negative, never -inf: exp() gives 0 and no NaN appears.
 MASK_VALUE = -1e30
 
+# Keys per attention block: decode reads ceil(live length / block) blocks of the cache, and
+# prefill scores are at most [T, block] per head at a time.
+ATTENTION_BLOCK = 128
+
 Params = dict  # nested dict of arrays; layer weights are stacked along a leading L axis
 
 
@@ -78,37 +82,129 @@ def attend(q_TNH: jax.Array, k_SKH: jax.Array, v_SKH: jax.Array, mask_TS: jax.Ar
     return out_TKGH.reshape(T, N, H)
 
 
-def attention(
-    p: Params, x_TD: jax.Array, k_SKH: jax.Array, v_SKH: jax.Array, start: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    """Causal self-attention of T new tokens at positions start..start+T-1 of one sequence.
+def _online_softmax_block(state, q_TKGH, k_SKH, v_SKH, mask_TS):
+    """Fold one block of keys into a running softmax (Milakov & Gimelshein 2018, "Online
+    normalizer calculation for softmax"; as in FlashAttention, Dao et al. 2022).
 
-    Writes the new keys and values into slots [start, start + T) of the row's cache, then
-    attends over the cache: slot s is visible to the token at position p iff s <= p, so
-    unwritten slots and slots holding padding (always after the last real token) are never
-    read. Returns `(out_TD, (k_SKH, v_SKH, ok))`, `ok` False if the write did not fit.
+    `state` is `(max_KGT, sum_KGT, acc_KGTH)`, float32: the running row maximum of the
+    scores, the sum of exp(score - max), and the exp-weighted sum of values. Masked keys add
+    exactly zero, so a block with no visible key leaves the state unchanged.
+    """
+    max_KGT, sum_KGT, acc_KGTH = state
+    scores_KGTS = jnp.einsum(
+        "TKGH,SKH->KGTS", q_TKGH, k_SKH, preferred_element_type=jnp.float32
+    ) / math.sqrt(q_TKGH.shape[-1])
+    scores_KGTS = jnp.where(mask_TS[None, None], scores_KGTS, MASK_VALUE)
+    new_max_KGT = jnp.maximum(max_KGT, scores_KGTS.max(-1))
+    probs_KGTS = jnp.where(mask_TS[None, None], jnp.exp(scores_KGTS - new_max_KGT[..., None]), 0.0)
+    rescale_KGT = jnp.exp(max_KGT - new_max_KGT)
+    acc_KGTH = acc_KGTH * rescale_KGT[..., None] + jnp.einsum(
+        "KGTS,SKH->KGTH", probs_KGTS.astype(v_SKH.dtype), v_SKH,
+        preferred_element_type=jnp.float32,
+    )
+    return new_max_KGT, sum_KGT * rescale_KGT + probs_KGTS.sum(-1), acc_KGTH
+
+
+def _attend_cache(state, q_TKGH, k_LSKH, v_LSKH, layer, length, bound):
+    """Fold in cache slots [0, length) of `layer`, reading only the blocks below `bound`.
+
+    `bound` >= length is the trip count's source: a Python int (static loop), or a traced
+    scalar (a `while_loop`, so the work follows the live length, not the capacity S). The
+    last block is shifted back to end at S and its slots already seen are masked off.
+    """
+    S, K, H = k_LSKH.shape[1:]
+    block = min(ATTENTION_BLOCK, S)
+    T = q_TKGH.shape[0]
+
+    def body(i, state):
+        lo = i * block
+        first = jnp.minimum(lo, S - block)
+        k_SKH = jax.lax.dynamic_slice(k_LSKH, (layer, first, 0, 0), (1, block, K, H))[0]
+        v_SKH = jax.lax.dynamic_slice(v_LSKH, (layer, first, 0, 0), (1, block, K, H))[0]
+        slot_S = first + jnp.arange(block)
+        mask_TS = jnp.broadcast_to(((slot_S >= lo) & (slot_S < length))[None], (T, block))
+        return _online_softmax_block(state, q_TKGH, k_SKH, v_SKH, mask_TS)
+
+    if isinstance(bound, int):
+        n_blocks = -(-min(bound, S) // block)
+        if n_blocks == 0:
+            return state
+    else:
+        n_blocks = -(-jnp.minimum(bound, S) // block)
+    return jax.lax.fori_loop(0, n_blocks, body, state)
+
+
+def _attend_new(state, q_TKGH, k_TKH, v_TKH):
+    """Fold in the T new keys themselves, causally (key j visible to query t iff j <= t),
+    in blocks of ATTENTION_BLOCK keys so no [T, T] score matrix is ever formed."""
+    T = q_TKGH.shape[0]
+    block = min(ATTENTION_BLOCK, T)
+    query_T = jnp.arange(T)
+
+    def body(j, state):
+        lo = j * block
+        first = jnp.minimum(lo, T - block)
+        k_SKH = jax.lax.dynamic_slice_in_dim(k_TKH, first, block, axis=0)
+        v_SKH = jax.lax.dynamic_slice_in_dim(v_TKH, first, block, axis=0)
+        key_S = first + jnp.arange(block)
+        mask_TS = (key_S[None, :] >= lo) & (key_S[None, :] <= query_T[:, None])
+        return _online_softmax_block(state, q_TKGH, k_SKH, v_SKH, mask_TS)
+
+    n_blocks = -(-T // block)
+    return body(0, state) if n_blocks == 1 else jax.lax.fori_loop(0, n_blocks, body, state)
+
+
+def attend_cached(q_TNH, k_TKH, v_TKH, k_LSKH, v_LSKH, layer, length, bound):
+    """Causal attention of T new queries over a row's cache and the T new keys.
+
+    The keys are cache slots [0, length) of `layer` (positions before the new tokens) and
+    then the new keys `k_TKH` (positions length..length+T-1, causal among themselves). Only
+    cache blocks below `bound` (>= length) are read, so decode costs follow the live
+    length; blockwise online softmax never forms a `[T, S]` score matrix.
+    Equal (to float rounding) to `attend` over the written cache with the causal mask.
+
+    Returns:
+      [T, N, H] in the dtype of `v_TKH`; float32 softmax; a query with no visible key gets
+      zeros.
+    """
+    T, N, H = q_TNH.shape
+    K = k_TKH.shape[1]
+    q_TKGH = q_TNH.reshape(T, K, N // K, H)
+    state = (
+        jnp.full((K, N // K, T), MASK_VALUE, jnp.float32),
+        jnp.zeros((K, N // K, T), jnp.float32),
+        jnp.zeros((K, N // K, T, H), jnp.float32),
+    )
+    state = _attend_cache(state, q_TKGH, k_LSKH, v_LSKH, layer, length, bound)
+    max_KGT, sum_KGT, acc_KGTH = _attend_new(state, q_TKGH, k_TKH, v_TKH)
+    out_KGTH = jnp.where(sum_KGT[..., None] > 0, acc_KGTH / jnp.maximum(sum_KGT, 1e-30)[..., None], 0.0)
+    return jnp.einsum("KGTH->TKGH", out_KGTH).reshape(T, N, H).astype(v_TKH.dtype)
+
+
+def attention(p: Params, x_TD: jax.Array, k_LSKH, v_LSKH, layer, length, bound):
+    """Causal self-attention of T new tokens at positions length..length+T-1 of one sequence.
+
+    Reads the row's cache (`[L, S, K, H]`, read-only here) at `layer`, slots below `length`.
+    Returns `(out_TD, (k_TKH, v_TKH))`: the new keys and values, for the caller to write.
     """
     q_TNH = jnp.einsum("TD,DNH->TNH", x_TD, p["w_q"]) + p["b_q"][None]
     k_TKH = jnp.einsum("TD,DKH->TKH", x_TD, p["w_k"]) + p["b_k"][None]
     v_TKH = jnp.einsum("TD,DKH->TKH", x_TD, p["w_v"]) + p["b_v"][None]
-    k_SKH, ok = kv.write(k_SKH, k_TKH, start)
-    v_SKH, _ = kv.write(v_SKH, v_TKH, start)
-    query_pos_T = start + jnp.arange(x_TD.shape[0])
-    key_pos_S = jnp.arange(k_SKH.shape[0])
-    mask_TS = key_pos_S[None, :] <= query_pos_T[:, None]
-    out_TNH = attend(q_TNH, k_SKH, v_SKH, mask_TS).astype(x_TD.dtype)
-    out_TD = jnp.einsum("TNH,NHD->TD", out_TNH, p["w_o"]) + p["b_o"][None]
-    return out_TD, (k_SKH, v_SKH, ok)
+    k_TKH, v_TKH = k_TKH.astype(k_LSKH.dtype), v_TKH.astype(v_LSKH.dtype)
+    out_TNH = attend_cached(q_TNH, k_TKH, v_TKH, k_LSKH, v_LSKH, layer, length, bound)
+    out_TD = jnp.einsum("TNH,NHD->TD", out_TNH.astype(x_TD.dtype), p["w_o"]) + p["b_o"][None]
+    return out_TD, (k_TKH, v_TKH)
 
 
-def block(p: Params, x_TD, k_SKH, v_SKH, start, config: GPTConfig):
-    """One pre-LayerNorm transformer block. Returns `(x_TD, (k_SKH, v_SKH, ok))`."""
-    attn_TD, new_cache = attention(
-        p["attn"], layer_norm(p["ln1"], x_TD, config.layer_norm_eps), k_SKH, v_SKH, start
+def block(p: Params, x_TD, k_LSKH, v_LSKH, layer, length, bound, config: GPTConfig):
+    """One pre-LayerNorm transformer block. Returns `(x_TD, (k_TKH, v_TKH))`."""
+    attn_TD, new_kv = attention(
+        p["attn"], layer_norm(p["ln1"], x_TD, config.layer_norm_eps), k_LSKH, v_LSKH, layer,
+        length, bound,
     )
     x_TD = x_TD + attn_TD
     x_TD = x_TD + mlp(p["mlp"], layer_norm(p["ln2"], x_TD, config.layer_norm_eps))
-    return x_TD, new_cache
+    return x_TD, new_kv
 
 
 def transformer(
@@ -117,27 +213,39 @@ def transformer(
     cache: kv.KVCache,
     config: GPTConfig,
     n_valid: jax.Array | int | None = None,
+    bound: jax.Array | int | None = None,
 ) -> tuple[jax.Array, kv.KVCache]:
     """Run T new tokens of ONE sequence through all layers, against that row's cache.
+
+    The cache is only read inside the layer loop (only its live blocks, see `attend_cached`);
+    the new keys and values of all layers are written once at the end, in place when the
+    cache buffer is donated or carried through a loop.
 
     Args:
       tokens_T: int token ids; the first `n_valid` are real, the rest padding.
       cache: one row of a KVCache (k, v `[L, S, K, H]`, scalar `lengths`, `overflow`). The
         tokens take positions lengths..lengths+T-1 and are written to those slots.
       n_valid: real tokens among the T (default all); the row's length advances by this.
+      bound: an upper bound on `cache.lengths` shared by every row of a vmapped batch (for
+        example the batch maximum, passed unmapped), so the blocks read are the same for
+        all rows; a Python int makes the loop static. Default: the row's own length.
     Returns:
       `(x_TD, cache)`: final hidden states (before the last LayerNorm) and the updated row.
     """
     start = cache.lengths
     positions_T = start + jnp.arange(tokens_T.shape[0])
     x_TD = params["wte"][tokens_T] + params["wpe"][positions_T]
+    bound = start if bound is None else bound
 
-    def step(x_TD, layer):
-        p, k_SKH, v_SKH = layer
-        x_TD, (k_SKH, v_SKH, ok) = block(p, x_TD, k_SKH, v_SKH, start, config)
-        return x_TD, (k_SKH, v_SKH, ok)
+    def step(x_TD, layer_in):
+        p, layer = layer_in
+        return block(p, x_TD, cache.k, cache.v, layer, start, bound, config)
 
-    x_TD, (k_LSKH, v_LSKH, ok_L) = jax.lax.scan(step, x_TD, (params["blocks"], cache.k, cache.v))
+    layers = (params["blocks"], jnp.arange(config.n_layers))
+    x_TD, (k_LTKH, v_LTKH) = jax.lax.scan(step, x_TD, layers)
+    write_layers = jax.vmap(kv.write, in_axes=(0, 0, None))
+    k_LSKH, ok_L = write_layers(cache.k, k_LTKH, start)
+    v_LSKH, _ = write_layers(cache.v, v_LTKH, start)
     n_valid = tokens_T.shape[0] if n_valid is None else n_valid
     ok = ok_L.all()
     new_cache = cache.replace(
@@ -172,6 +280,6 @@ def forward(params: Params, tokens_BT: jax.Array, config: GPTConfig) -> jax.Arra
             f"sequence length {T} exceeds config.max_seq_len={config.max_seq_len}"
         )
     cache = kv.init_cache(config, B, T, dtype=params["wte"].dtype)
-    run_row = functools.partial(transformer, config=config)
+    run_row = functools.partial(transformer, config=config, bound=0)  # empty cache: read none
     x_BTD, _ = jax.vmap(run_row, in_axes=(None, 0, kv.CACHE_BATCH_AXES))(params, tokens_BT, cache)
     return lm_head(params, x_BTD, config)
