@@ -4,13 +4,19 @@ Usage:
   python -m inference.cli --run-dir runs/shakespeare-char --prompt "Romeo.\n" --prompt "Ham.\n"
   gpt-jax generate --run-dir runs/shakespeare-char --prompt "Juliet.\n" --temperature 0.8
 
-`\\n` in a prompt is a newline. With --report, also prints the prefill time, decode
-tokens/s and the KV cache size of the batch.
+Every SamplingParams field is a flag. Text is printed as it streams (one completion after
+another); --json instead prints one JSON list, a completion per prompt and sample, with
+tokens, text, finish reason, seed and (with --logprobs N) log-probabilities.
+
+`\\n` in a prompt or stop string is a newline. With --report, also prints the prefill time,
+decode tokens/s and the KV cache size of the batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 
 import jax
@@ -27,13 +33,76 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", default="runs/shakespeare-char", help="training run directory")
     p.add_argument("--prompt", action="append", help="text prompt (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    s = p.add_argument_group("sampling (inference.SamplingParams)")
+    s.add_argument("--max-new-tokens", type=int, default=200)
+    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=0, help="0 = off")
+    s.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    s.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    s.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off")
+    s.add_argument("--seed", type=int, default=None, help="default: a fresh random seed")
+    s.add_argument("--stop-token-id", type=int, action="append", default=[],
+                   help="EOS token id (repeatable)")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--stop-sequence", type=_ids, action="append", default=[],
+                   help="token stop sequence, comma-separated ids (repeatable)")
+    s.add_argument("--logprobs", type=int, default=None, help="top-N alternatives per token")
+    s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
     p.add_argument("--report", action="store_true", help="print timing and KV cache size")
     return p.parse_args(argv)
+
+
+def _ids(text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in text.split(","))
+
+
+def sampling_from_args(args) -> SamplingParams:
+    """SamplingParams from the parsed flags. Raises ValueError for an out-of-range value."""
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, stop_token_ids=args.stop_token_id,
+        stop=[s.replace("\\n", "\n") for s in args.stop], stop_sequences=args.stop_sequence,
+        logprobs=args.logprobs, n=args.n,
+    )
+
+
+def print_stream(llm: LLM, prompts: list[str], sampling: SamplingParams, out=None) -> None:
+    """Print completions (to `out`, default stdout) one after another, each as it streams;
+    the text of a later completion is kept until the ones before it have finished."""
+    out = out or sys.stdout
+    total, rule = len(prompts) * sampling.n, "=" * 72 + "\n"
+    unprinted: dict[int, str] = {}  # completion index -> text not yet printed
+    finished: set[int] = set()
+    current = 0
+    out.write(rule + prompts[0])
+    for delta in llm.stream(prompts, sampling):
+        unprinted[delta.index] = unprinted.get(delta.index, "") + delta.text
+        if delta.completion:
+            finished.add(delta.index)
+        while current < total:
+            out.write(unprinted.pop(current, ""))
+            if current not in finished:
+                break
+            current += 1
+            out.write("\n" + (rule + prompts[current // sampling.n] if current < total else ""))
+        out.flush()
+    out.write(rule)
+
+
+def completions_json(prompts: list[str], sampling: SamplingParams, outputs) -> str:
+    """One JSON list: per completion its prompt, text, tokens, finish reason, seed and, when
+    asked, log-probabilities (top alternatives keyed by token id)."""
+    return json.dumps([
+        {"prompt": prompts[i // sampling.n], "text": o.text, "tokens": o.tokens,
+         "finish_reason": o.finish_reason, "seed": o.seed, "logprobs": o.logprobs,
+         "top_logprobs": o.top_logprobs}
+        for i, o in enumerate(outputs)
+    ], indent=1)
 
 
 def report(llm: LLM, prompts: list[str], sampling: SamplingParams) -> None:
@@ -71,13 +140,15 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams) -> None:
 def main(argv=None):
     args = parse_args(argv)
     prompts = [p.replace("\\n", "\n") for p in (args.prompt or ["\n"])]
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, max_new_tokens=args.max_new_tokens)
+    try:
+        sampling = sampling_from_args(args)
+    except ValueError as error:
+        raise SystemExit(f"gpt-jax generate: {error}") from None
     llm = LLM.from_checkpoint(args.run_dir)
-    for prompt, out in zip(prompts, llm.generate(prompts, sampling)):
-        print("=" * 72)
-        print(prompt + out.text)
-    print("=" * 72)
+    if args.json:
+        print(completions_json(prompts, sampling, llm.generate(prompts, sampling)))
+    else:
+        print_stream(llm, prompts, sampling)
     if args.report:
         report(llm, prompts, sampling)
 

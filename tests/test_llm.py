@@ -2,11 +2,14 @@
 inside a token, spans tokens, ends inside one, or sits inside one), streaming that never
 leaks a stop string nor a broken UTF-8 character, and joins to the generated text."""
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
 from conftest import lively_params
-from gpt_jax import GPTConfig
+from inference import cli
 from inference.llm import LLM
 from inference.sampling import SamplingParams
 
@@ -132,3 +135,50 @@ def test_n_samples_and_logprobs_reach_the_text_completion(llm):
         assert o.seed == 2 and len(o.logprobs) == len(o.tokens) == 8
         assert all(len(top) == 2 and max(top.values()) >= lp for top, lp in
                    zip(o.top_logprobs, o.logprobs))
+
+
+# ---------------------------------------------------------------------- gpt-jax generate
+
+EVERY_FLAG = ["--temperature", "0.7", "--top-k", "9", "--top-p", "0.9", "--min-p", "0.05",
+              "--repetition-penalty", "1.1", "--presence-penalty", "0.2",
+              "--frequency-penalty", "0.1", "--seed", "4", "--max-new-tokens", "12",
+              "--stop-token-id", "7", "--stop-token-id", "8", "--stop", "zz\\n",
+              "--stop-sequence", "1,2,3", "--logprobs", "2", "--n", "2"]
+
+
+def test_every_sampling_field_is_a_flag():
+    sp = cli.sampling_from_args(cli.parse_args(EVERY_FLAG))
+    default = SamplingParams()
+    unset = [f.name for f in dataclasses.fields(SamplingParams)
+             if getattr(sp, f.name) == getattr(default, f.name)]
+    assert unset == []
+    assert sp.stop == ("zz\n",) and sp.stop_sequences == ((1, 2, 3),)
+    assert sp.stop_token_ids == (7, 8)
+
+
+def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir: llm)
+    other = PIECES.decode([17, 3])
+    argv = ["--prompt", PROMPT, "--prompt", other, "--temperature", "0.9", "--seed", "3",
+            "--max-new-tokens", "10", "--n", "2"]
+    expected = llm.generate([PROMPT, other], cli.sampling_from_args(cli.parse_args(argv)))
+    cli.main(argv + ["--logprobs", "2", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["text"] for r in rows] == [e.text for e in expected]
+    assert [r["prompt"] for r in rows] == [PROMPT, PROMPT, other, other]
+    assert all(r["finish_reason"] == "length" and len(r["tokens"]) == len(r["logprobs"]) == 10
+               and len(r["top_logprobs"][0]) == 2 and r["seed"] == 3 for r in rows)
+
+    cli.main(argv)
+    rule = "=" * 72 + "\n"
+    prompts = [PROMPT, PROMPT, other, other]
+    assert capsys.readouterr().out == "".join(
+        rule + p + e.text + "\n" for p, e in zip(prompts, expected)) + rule
+
+
+def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir: pytest.fail("loaded"))
+    with pytest.raises(SystemExit, match=r"SamplingParams.top_p=1.5 is out of range; allowed: \[0, 1\]"):
+        cli.main(["--top-p", "1.5"])
+    with pytest.raises(SystemExit):
+        cli.main(["--top-q", "0.5"])  # unknown option: argparse exits
