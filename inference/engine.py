@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from gpt_jax.cache import CACHE_BATCH_AXES, KVCache, init_cache
+from gpt_jax.cache import CACHE_BATCH_AXES, KVCache
 from gpt_jax.config import GPTConfig
 from gpt_jax.model import Params, lm_head, transformer
 from inference import stopping
@@ -41,30 +41,62 @@ MIN_PROMPT_BUCKET = 16
 # ----------------------------------------------------------------------------- model steps
 
 
-def _prefill_row(params, tokens_T, length, cache, *, config, padding_side):
+def _prefill_row(params, tokens_T, length, cache, bound, *, config, padding_side):
     if padding_side == "left":  # move the real tokens to the front: positions start at 0
         tokens_T = jnp.roll(tokens_T, length - tokens_T.shape[0])
-    x_TD, cache = transformer(params, tokens_T, cache, config, n_valid=length)
+    x_TD, cache = transformer(params, tokens_T, cache, config, n_valid=length, bound=bound)
     return lm_head(params, x_TD[jnp.maximum(length - 1, 0)], config), cache
 
 
-def _decode_row(params, token, advance, cache, *, config):
-    x_TD, cache = transformer(params, token[None], cache, config, n_valid=advance.astype(jnp.int32))
+def _decode_row(params, token, advance, cache, bound, *, config):
+    x_TD, cache = transformer(params, token[None], cache, config,
+                              n_valid=advance.astype(jnp.int32), bound=bound)
     return lm_head(params, x_TD[0], config), cache
+
+
+@struct.dataclass
+class LoopCache:
+    """The KV cache as the generation loop carries it: KVCache's fields, batch axis first.
+
+    vmap's batching rules move a mapped axis to the front before any dynamic slice or
+    scatter, so a cache carried as `[L, B, S, K, H]` would be transposed (copied whole) on
+    every decode step. Batch-major, the per-row block reads and the write of the new token
+    touch only those slots, in place.
+    """
+
+    k: jax.Array  # [B, L, S, K, H] keys
+    v: jax.Array  # [B, L, S, K, H] values
+    lengths: jax.Array  # [B] int32, slots written per row
+    overflow: jax.Array  # [B] bool, a write past the last slot was refused
+
+
+def _vmap_rows(row_fn, cache, *batched):
+    """vmap `row_fn(params, *batched_rows, cache_row, bound)` over the rows of a KVCache or
+    LoopCache. `bound` is the longest row's length, passed unmapped: every row reads the
+    same cache blocks, so the attention loop has one trip count (the live length)."""
+    loop = isinstance(cache, LoopCache)
+    cache_type, cache_axes = (LoopCache, 0) if loop else (KVCache, CACHE_BATCH_AXES)
+
+    def run(*args):
+        *rest, c, bound = args
+        logits, c = row_fn(*rest, KVCache(k=c.k, v=c.v, lengths=c.lengths, overflow=c.overflow),
+                           bound)
+        return logits, cache_type(k=c.k, v=c.v, lengths=c.lengths, overflow=c.overflow)
+
+    in_axes = (None,) + (0,) * (len(batched) - 1) + (cache_axes, None)
+    return jax.vmap(run, in_axes=in_axes, out_axes=(0, cache_axes))(
+        *batched, cache, cache.lengths.max()
+    )
 
 
 def _prefill(params, config, tokens_BT, lengths_B, cache, padding_side="right"):
     row = functools.partial(_prefill_row, config=config, padding_side=padding_side)
-    return jax.vmap(row, in_axes=(None, 0, 0, CACHE_BATCH_AXES), out_axes=(0, CACHE_BATCH_AXES))(
-        params, tokens_BT, lengths_B, cache
-    )
+    return _vmap_rows(row, cache, params, tokens_BT, lengths_B)
 
 
 def _decode(params, config, tokens_B, cache, advance_B):
     row = functools.partial(_decode_row, config=config)
-    return jax.vmap(row, in_axes=(None, 0, 0, CACHE_BATCH_AXES), out_axes=(0, CACHE_BATCH_AXES))(
-        params, tokens_B, advance_B, cache
-    )
+    return _vmap_rows(row, cache, params, tokens_B, advance_B)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "padding_side"))
@@ -182,12 +214,9 @@ def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
                           [stopping.EOS, stopping.STOP, stopping.LENGTH], state.finish)
     done_B = state.done | eos_B | stop_B | full_B
 
-    def feed(model):
-        return step_fn(token_B, model, ~done_B)
-
-    logits_BV, model = jax.lax.cond(
-        done_B.all(), lambda m: (state.logits, m), feed, state.model
-    )
+    # Always feed (finished rows do not advance): a lax.cond skipping the step once every
+    # row is done made XLA copy the whole KV cache in both branches on every step.
+    logits_BV, model = step_fn(token_B, state.model, ~done_B)
     return state.replace(
         model=model,
         logits=logits_BV,
@@ -223,10 +252,14 @@ def decode_loop(state, step_fn, rows, stops, pad_id) -> DecodeState:
 
 
 def cached_model(params, config, capacity, cache_dtype):
-    """`(prefill_fn, step_fn)` over a KV cache of `capacity` slots per row."""
+    """`(prefill_fn, step_fn)` over a batch-major KV cache (`LoopCache`) of `capacity`
+    slots per row."""
 
     def prefill_fn(tokens_BT, lengths_B):
-        cache = init_cache(config, tokens_BT.shape[0], capacity, cache_dtype)
+        B = tokens_BT.shape[0]
+        shape = (B, config.n_layers, capacity, config.kv_heads, config.head_dim)
+        cache = LoopCache(k=jnp.zeros(shape, cache_dtype), v=jnp.zeros(shape, cache_dtype),
+                          lengths=jnp.zeros((B,), jnp.int32), overflow=jnp.zeros((B,), bool))
         return _prefill(params, config, tokens_BT, lengths_B, cache)
 
     def step_fn(tokens_B, cache, advance_B):
