@@ -3,6 +3,8 @@
 Usage:
   python -m inference.cli --run-dir runs/shakespeare-char --prompt "Romeo.\n" --prompt "Ham.\n"
   gpt-jax generate --run-dir runs/shakespeare-char --prompt "Juliet.\n" --temperature 0.8
+  gpt-jax generate --hf-checkpoint DIR --prompt "Hello" --temperature 0
+  gpt-jax generate --hf-checkpoint DIR --prompt-ids 464,2068 --prompt-ids 40
 
 Every SamplingParams field is a flag. Text is printed as it streams (one completion after
 another); --json instead prints one JSON list, a completion per prompt and sample, with
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax.cache import cache_bytes, init_cache
-from inference.engine import pack, prefill, validate
+from inference.engine import generate, pack, prefill, validate
 from inference.llm import LLM
 from inference.sampling import SamplingParams
 
@@ -52,6 +54,7 @@ def parse_args(argv=None):
     s.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
     p.add_argument("--report", action="store_true", help="print timing and KV cache size")
+    add_hf_args(p)
     return p.parse_args(argv)
 
 
@@ -137,6 +140,52 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams) -> None:
           f"{cache_bytes(config, B, S, llm.cache_dtype):,} bytes")
 
 
+def add_hf_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Hugging Face GPT-2 (gpt_jax.load_hf_gpt2)")
+    g.add_argument("--hf-checkpoint", metavar="DIR",
+                   help="generate from a GPT-2 directory (config.json + model.safetensors) "
+                        "instead of --run-dir; --prompt text goes through its tokenizer "
+                        "(tokenizer.json, or vocab.json + merges.txt)")
+    g.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="IDS",
+                   help="token-id prompt, comma-separated (repeatable): prints the generated "
+                        "ids, one comma-separated line per completion")
+
+
+def load_llm(args) -> LLM:
+    """The --hf-checkpoint directory (its tokenizer may be None), else the --run-dir run.
+
+    Raises:
+      SystemExit: both --prompt and --prompt-ids; text prompts for a Hugging Face directory
+        without a tokenizer.
+    """
+    if args.prompt and args.prompt_ids:
+        raise SystemExit("gpt-jax generate: give --prompt or --prompt-ids, not both")
+    if not args.hf_checkpoint:
+        return LLM.from_checkpoint(args.run_dir)
+    from gpt_jax.hf import load_hf_gpt2, load_hf_tokenizer
+
+    config, params = load_hf_gpt2(args.hf_checkpoint)
+    tokenizer = load_hf_tokenizer(args.hf_checkpoint)
+    if tokenizer is None and not args.prompt_ids:
+        raise SystemExit(f"gpt-jax generate: {args.hf_checkpoint} has no tokenizer "
+                         f"(tokenizer.json, or vocab.json + merges.txt); pass --prompt-ids")
+    return LLM(params, config, tokenizer)
+
+
+def print_token_ids(llm: LLM, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> None:
+    """Generate from token-id prompts; one comma-separated line of ids per completion.
+
+    Raises:
+      SystemExit: an invalid request (a token id outside the vocabulary, too long a prompt).
+    """
+    try:
+        outputs = generate(llm.params, llm.config, [list(p) for p in prompts], sampling)
+    except ValueError as error:
+        raise SystemExit(f"gpt-jax generate: {error}") from None
+    for out in outputs:
+        print(",".join(map(str, out.tokens)))
+
+
 def main(argv=None):
     args = parse_args(argv)
     prompts = [p.replace("\\n", "\n") for p in (args.prompt or ["\n"])]
@@ -144,7 +193,9 @@ def main(argv=None):
         sampling = sampling_from_args(args)
     except ValueError as error:
         raise SystemExit(f"gpt-jax generate: {error}") from None
-    llm = LLM.from_checkpoint(args.run_dir)
+    llm = load_llm(args)
+    if args.prompt_ids:
+        return print_token_ids(llm, args.prompt_ids, sampling)
     if args.json:
         print(completions_json(prompts, sampling, llm.generate(prompts, sampling)))
     else:

@@ -278,3 +278,70 @@ def test_grouped_query_attention_cannot_be_saved_as_gpt2(tmp_path):
     with pytest.raises(ValueError, match="n_kv_heads=2 < n_heads=4"):
         save_hf_gpt2(config, {}, tmp_path)  # the config is refused before params are read
     assert not (tmp_path / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------ gpt-jax generate
+
+
+CLI_TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind\n" * 4
+
+
+@pytest.fixture(scope="module")
+def cli_dir(tmp_path_factory):
+    """A GPT-2 directory whose vocabulary is a byte-level BPE tokenizer's, without the
+    tokenizer files (each test adds the ones it needs)."""
+    from gpt_jax.tokenizer import BPETokenizer
+
+    tokenizer = BPETokenizer.from_text(CLI_TEXT, vocab_size=300)
+    model = hf_model(3, 12.0, n_layer=2, n_head=2, n_embd=32,
+                     vocab_size=tokenizer.vocab_size, n_positions=64)
+    path = tmp_path_factory.mktemp("cli")
+    model.save_pretrained(path)
+    return path, tokenizer
+
+
+def _bare_copy(src, dst):
+    """`dst` with src's config and weights (linked), and no tokenizer."""
+    dst.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (dst / name).symlink_to(src / name)
+    return dst
+
+
+def run_cli(capsys, *argv):
+    from inference.cli import main
+
+    main(["--temperature", "0", "--max-new-tokens", "12", *argv])
+    return capsys.readouterr().out
+
+
+def test_cli_generates_token_ids_from_a_directory_without_tokenizer(cli_dir, tmp_path, capsys):
+    path = _bare_copy(cli_dir[0], tmp_path / "ids")
+    out = run_cli(capsys, "--hf-checkpoint", str(path), "--prompt-ids", "5,6,7")
+    config, params = load_hf_gpt2(path)
+    (expected,) = generate(params, config, [[5, 6, 7]],
+                           SamplingParams(temperature=0.0, max_new_tokens=12))
+    assert_lively(expected.tokens, 4)
+    assert out == ",".join(map(str, expected.tokens)) + "\n"
+    with pytest.raises(SystemExit, match="has no tokenizer .*; pass --prompt-ids"):
+        run_cli(capsys, "--hf-checkpoint", str(path), "--prompt", "To be")
+    V = config.vocab_size
+    with pytest.raises(SystemExit, match=rf"token id {V} is outside \[0, {V}\)"):
+        run_cli(capsys, "--hf-checkpoint", str(path), "--prompt-ids", f"5,{V}")
+
+
+@pytest.mark.parametrize("files", ["tokenizer.json", "vocab.json + merges.txt"])
+def test_cli_generates_text_through_the_directorys_tokenizer(cli_dir, tmp_path, capsys, files):
+    src, tokenizer = cli_dir
+    path = _bare_copy(src, tmp_path / "text")
+    if files == "tokenizer.json":
+        tokenizer.save(path / "tokenizer.json")
+    else:
+        tokenizer.tokenizer.model.save(str(path))
+    out = json.loads(run_cli(capsys, "--hf-checkpoint", str(path), "--prompt", "To be", "--json"))
+    config, params = load_hf_gpt2(path)
+    (expected,) = generate(params, config, [tokenizer.encode("To be")],
+                           SamplingParams(temperature=0.0, max_new_tokens=12))
+    assert_lively(expected.tokens, 4)
+    assert out[0]["tokens"] == expected.tokens
+    assert out[0]["text"] == tokenizer.decode(expected.tokens)
