@@ -256,16 +256,16 @@ def backend_compiles():
 
 
 def test_g18_sampling_changes_within_a_bucket_never_recompile(config, params):
-    def request(length, temperature, top_p, top_k, seed, max_new_tokens=8):
+    def request(length, temperature, top_p, top_k, seed, max_new_tokens=20):
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_new_tokens=max_new_tokens)
         return generate(params, config, [list(range(1, length + 1))], sp)[0]
 
-    request(3, 0.7, 0.8, 0, 0)  # warm-up
+    request(3, 0.7, 0.8, 0, 0)  # warm-up: prompts of 1..16 tokens, 17..32 new tokens
     before = compile_counts()
     calls = [(3, 0.7, 0.8, 0, 1), (5, 0.9, 0.95, 5, 2), (7, 1.0, 0.8, 20, 3),
-             (11, 0.7, 0.95, 0, 4, 5), (3, 0.9, 0.8, 3, 5), (5, 1.0, 0.95, 0, 6, 7),
-             (7, 0.7, 0.8, 1, 7), (11, 0.9, 0.95, 40, 8), (3, 0.0, 1.0, 0, 9), (11, 1.0, 0.8, 0, 10, 1)]
+             (11, 0.7, 0.95, 0, 4, 17), (3, 0.9, 0.8, 3, 5), (5, 1.0, 0.95, 0, 6, 32),
+             (7, 0.7, 0.8, 1, 7), (11, 0.9, 0.95, 40, 8), (3, 0.0, 1.0, 0, 9), (11, 1.0, 0.8, 0, 10, 25)]
     with backend_compiles() as counts:
         outputs = [request(*call) for call in calls]
     assert dict(counts) == {}, f"recompiled: {dict(counts)}"
@@ -282,8 +282,8 @@ def test_g18_sampling_changes_within_a_bucket_never_recompile(config, params):
     after = compile_counts()
     assert after["generate"] == before["generate"] + 1
     assert after["decode_step"] == before["decode_step"] and after["prefill"] == before["prefill"]
-    with backend_compiles() as counts:  # more tokens in the same step bucket, a new length
-        request(29, 0.8, 0.9, 0, 12, max_new_tokens=7)
+    with backend_compiles() as counts:  # another length and token count in the same buckets
+        request(29, 0.8, 0.9, 0, 12, max_new_tokens=31)
     assert dict(counts) == {}, f"recompiled: {dict(counts)}"
 
 

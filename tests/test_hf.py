@@ -166,7 +166,7 @@ def test_model_trained_here_round_trips_through_transformers(tmp_path):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    params = init_params(config, jax.random.key(0))
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
     opt_state = optimizer.init(params)
     tokens = np.array(tokenizer.encode(text), np.int32)
     losses = []
