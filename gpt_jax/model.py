@@ -181,18 +181,27 @@ def attend_cached(q_TNH, k_TKH, v_TKH, k_LSKH, v_LSKH, layer, length, bound):
     return jnp.einsum("KGTH->TKGH", out_KGTH).reshape(T, N, H).astype(v_TKH.dtype)
 
 
+def _project_heads(x_TD, w_DNH, b_NH):
+    """x @ w + b as one [T, D] @ [D, N*H] matmul, reshaped to heads `[T, N, H]`."""
+    D, N, H = w_DNH.shape
+    out = x_TD @ w_DNH.reshape(D, N * H) + b_NH.reshape(1, N * H)
+    return out.reshape(x_TD.shape[0], N, H)
+
+
 def attention(p: Params, x_TD: jax.Array, k_LSKH, v_LSKH, layer, length, bound):
     """Causal self-attention of T new tokens at positions length..length+T-1 of one sequence.
 
     Reads the row's cache (`[L, S, K, H]`, read-only here) at `layer`, slots below `length`.
     Returns `(out_TD, (k_TKH, v_TKH))`: the new keys and values, for the caller to write.
     """
-    q_TNH = jnp.einsum("TD,DNH->TNH", x_TD, p["w_q"]) + p["b_q"][None]
-    k_TKH = jnp.einsum("TD,DKH->TKH", x_TD, p["w_k"]) + p["b_k"][None]
-    v_TKH = jnp.einsum("TD,DKH->TKH", x_TD, p["w_v"]) + p["b_v"][None]
-    k_TKH, v_TKH = k_TKH.astype(k_LSKH.dtype), v_TKH.astype(v_LSKH.dtype)
+    q_TNH = _project_heads(x_TD, p["w_q"], p["b_q"])
+    k_TKH = _project_heads(x_TD, p["w_k"], p["b_k"]).astype(k_LSKH.dtype)
+    v_TKH = _project_heads(x_TD, p["w_v"], p["b_v"]).astype(v_LSKH.dtype)
     out_TNH = attend_cached(q_TNH, k_TKH, v_TKH, k_LSKH, v_LSKH, layer, length, bound)
-    out_TD = jnp.einsum("TNH,NHD->TD", out_TNH.astype(x_TD.dtype), p["w_o"]) + p["b_o"][None]
+    # [T, N*H] @ [N*H, D]: a plain matmul, so XLA never transposes w_o to match the output.
+    T, N, H = out_TNH.shape
+    w_o = p["w_o"].reshape(N * H, -1)
+    out_TD = out_TNH.reshape(T, N * H).astype(x_TD.dtype) @ w_o + p["b_o"][None]
     return out_TD, (k_TKH, v_TKH)
 
 
@@ -241,8 +250,15 @@ def transformer(
         p, layer = layer_in
         return block(p, x_TD, cache.k, cache.v, layer, start, bound, config)
 
-    layers = (params["blocks"], jnp.arange(config.n_layers))
-    x_TD, (k_LTKH, v_LTKH) = jax.lax.scan(step, x_TD, layers)
+    if isinstance(params["blocks"], tuple):  # unstacked (see unstack_layers): unrolled
+        new_kv = []
+        for layer, p in enumerate(params["blocks"]):
+            x_TD, kv_TKH = step(x_TD, (p, layer))
+            new_kv.append(kv_TKH)
+        k_LTKH, v_LTKH = (jnp.stack(arrays) for arrays in zip(*new_kv))
+    else:
+        layers = (params["blocks"], jnp.arange(config.n_layers))
+        x_TD, (k_LTKH, v_LTKH) = jax.lax.scan(step, x_TD, layers)
     write_layers = jax.vmap(kv.write, in_axes=(0, 0, None))
     k_LSKH, ok_L = write_layers(cache.k, k_LTKH, start)
     v_LSKH, _ = write_layers(cache.v, v_LTKH, start)
@@ -255,6 +271,20 @@ def transformer(
         overflow=cache.overflow | ~ok,
     )
     return x_TD, new_cache
+
+
+def unstack_layers(params: Params) -> Params:
+    """`params` with "blocks" as a tuple of L per-layer dicts instead of arrays stacked on L.
+
+    `transformer` runs such params as an unrolled Python loop. Inference programs call this
+    once, outside their decode loop: slicing a layer out of the stack inside the loop (what
+    `lax.scan` over stacked weights does) copies that layer's weights on every step, which
+    doubles the memory traffic of a memory-bound decode step.
+    """
+    blocks = params["blocks"]
+    n_layers = jax.tree.leaves(blocks)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(n_layers))
+    return {**params, "blocks": layers}
 
 
 def lm_head(params: Params, x_TD: jax.Array, config: GPTConfig) -> jax.Array:

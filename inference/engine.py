@@ -30,7 +30,7 @@ from flax import struct
 
 from gpt_jax.cache import CACHE_BATCH_AXES, KVCache
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params, lm_head, transformer
+from gpt_jax.model import Params, lm_head, transformer, unstack_layers
 from inference import stopping
 from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, sample
 
@@ -253,7 +253,8 @@ def decode_loop(state, step_fn, rows, stops, pad_id) -> DecodeState:
 
 def cached_model(params, config, capacity, cache_dtype):
     """`(prefill_fn, step_fn)` over a batch-major KV cache (`LoopCache`) of `capacity`
-    slots per row."""
+    slots per row. The layers are unstacked once here, outside the decode loop."""
+    params = unstack_layers(params)
 
     def prefill_fn(tokens_BT, lengths_B):
         B = tokens_BT.shape[0]
