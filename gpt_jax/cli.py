@@ -11,6 +11,9 @@ commands:
   train      train a model (python -m training.train)
   generate   generate text from a trained run (python -m inference.cli)
   demo       data, train shakespeare-char within a time budget (once), generate (make demo)
+  bench      run a benchmark from benchmarks/: gpt-jax bench NAME [flags], NAME one of
+             throughput, live-length, roofline, ttft, compiles (benchmarks/speed.py) or
+             another script's name (benchmarks/NAME.py); gpt-jax bench NAME --help
 """
 
 DEMO_PROMPTS = ["Romeo.\n", "Juliet.\n", "Ham.\n", "MACBETH.\n"]  # as the plays mark speakers
@@ -74,6 +77,29 @@ def demo_main(argv):
     print("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
 
 
+SPEED_BENCHMARKS = ("throughput", "live-length", "roofline", "ttft", "compiles")
+
+
+def bench_main(argv):
+    """Run benchmarks/speed.py NAME or benchmarks/NAME.py (from a source checkout)."""
+    import runpy
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    scripts = sorted(p.stem for p in folder.glob("*.py")) if folder.is_dir() else []
+    names = list(SPEED_BENCHMARKS) + [s for s in scripts if s != "speed"]
+    if not argv or argv[0] not in names:
+        got = repr(argv[0]) if argv else "nothing"
+        print(f"gpt-jax bench: got {got}; choose one of {', '.join(names)} "
+              f"(benchmarks/ must be in this checkout: {folder})", file=sys.stderr)
+        return 2
+    name, rest = argv[0], argv[1:]
+    script, args = (("speed", [name] + rest) if name in SPEED_BENCHMARKS else (name, rest))
+    sys.argv = [f"gpt-jax bench {name}"] + args
+    runpy.run_path(str(folder / f"{script}.py"), run_name="__main__")
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -92,6 +118,8 @@ def main(argv=None):
         generate_main(rest)
     elif command == "demo":
         demo_main(rest)
+    elif command == "bench":
+        return bench_main(rest)
     else:
         print(f"gpt-jax: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

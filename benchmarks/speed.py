@@ -1,0 +1,384 @@
+"""Inference speed: cached generation against naive decoding and Hugging Face, live-length
+decode cost, the memory roofline, time to first token and compile counts.
+
+Usage (also `gpt-jax bench NAME [flags]`; every run writes benchmarks/results/NAME.{json,png}):
+  python benchmarks/speed.py throughput            # naive / ours b1 b8 b32 / transformers
+  python benchmarks/speed.py throughput --batches 1 8 --new-tokens 32 --presets gpt2
+  python benchmarks/speed.py live-length           # step time vs live length, capacity 1024
+  python benchmarks/speed.py roofline              # bandwidth, bytes per step, bound vs step
+  python benchmarks/speed.py ttft                  # time to first token, prompts 16..1024
+  python benchmarks/speed.py compiles              # 100 requests, prompt lengths 1..512
+
+Weights are random (no downloads), float32. Ours and `transformers` run in the same process
+on identical weights (saved by transformers, imported with `gpt_jax.load_hf_gpt2`), one after
+the other, so a busy machine slows both alike: compare the ratios, not the absolute figures.
+Compilation is never timed (each program runs once before it is timed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpt_jax import GPTConfig, init_params
+from inference import SamplingParams, compile_counts, generate, naive_generate
+from inference.engine import LoopCache, cached_model
+from inference.naive import naive_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPT_LEN = 64
+
+
+def machine() -> dict:
+    """Machine, versions and thread counts, stated in every result."""
+    info = {"platform": platform.platform(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
+            "python": platform.python_version(), "jax": jax.__version__,
+            "jax_backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    try:
+        import torch
+        import transformers
+
+        info |= {"torch": torch.__version__, "transformers": transformers.__version__,
+                 "torch_threads": torch.get_num_threads()}
+    except ImportError:
+        pass
+    return info
+
+
+def save(name: str, rows: list[dict], plot, extra: dict | None = None) -> None:
+    """Print rows as a table, write results/NAME.json and the PNG that `plot(ax, rows)` draws."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    widths = {k: max(len(k), *(len(fmt(r.get(k, ""))) for r in rows)) for k in keys}
+    print("  ".join(k.rjust(widths[k]) for k in keys))
+    for r in rows:
+        print("  ".join(fmt(r.get(k, "")).rjust(widths[k]) for k in keys))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": name, "machine": machine(), "rows": rows, **(extra or {})}
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=1))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plot(ax, rows)
+    ax.set_title(f"{name} ({record['machine']['cpu_count']} CPUs, jax {jax.__version__})")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
+    print(f"wrote {RESULTS / name}.json and .png")
+
+
+def timed(fn, repeats: int = 1) -> float:
+    """Best wall time of `fn()` over `repeats` runs, after one untimed (compiling) run."""
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def preset(name: str) -> GPTConfig:
+    # shakespeare-char's position table (128) is too short for prompt 64 + 512 new tokens.
+    return GPTConfig.preset(name, max_seq_len=1024) if name == "shakespeare-char" else \
+        GPTConfig.preset(name)
+
+
+def random_prompts(config, batch, length=PROMPT_LEN, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, config.vocab_size, length).tolist() for _ in range(batch)]
+
+
+# ----------------------------------------------------------------------- 1 + 2: throughput
+
+
+def hf_model(config: GPTConfig, directory: str):
+    """A random `transformers` GPT-2 of `config`'s shape, saved to `directory`, and our
+    params imported from that directory (identical weights)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gpt_jax import load_hf_gpt2
+
+    torch.manual_seed(0)
+    hf_config = GPT2Config(vocab_size=config.vocab_size, n_positions=config.max_seq_len,
+                           n_embd=config.d_model, n_layer=config.n_layers, n_head=config.n_heads,
+                           bos_token_id=0, eos_token_id=0)  # min_new_tokens keeps it unsaid
+    model = GPT2LMHeadModel(hf_config).eval()
+    model.save_pretrained(directory)
+    _, params = load_hf_gpt2(directory)
+    return model, params
+
+
+def hf_generate_seconds(model, prompts, new_tokens) -> float:
+    import torch
+
+    ids = torch.tensor(prompts)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:, :8], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        start = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return time.perf_counter() - start
+
+
+def naive_step_seconds(params, config, batch, new_tokens) -> float:
+    """One step of `naive_generate` at the capacity it uses for `new_tokens`: its cost is
+    the same every step (a full forward over the padded sequence buffer)."""
+    capacity = min(config.max_seq_len, PROMPT_LEN + new_tokens)
+    prefill_fn, step_fn = naive_model(params, config, capacity, jnp.float32)
+    tokens = jnp.asarray(random_prompts(config, batch), jnp.int32)
+    lengths = jnp.full((batch,), PROMPT_LEN, jnp.int32)
+    _, seqs = jax.jit(prefill_fn)(tokens, lengths)
+    step = jax.jit(step_fn)
+    return timed(lambda: step(tokens[:, 0], seqs, jnp.ones((batch,), bool)), repeats=2)
+
+
+def throughput(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.presets:
+        config = preset(name)
+        with tempfile.TemporaryDirectory() as tmp:
+            model, params = hf_model(config, tmp) if args.hf else (None, init_params(
+                config, jax.random.key(0)))
+        for new in args.new_tokens:
+            step = naive_step_seconds(params, config, 1, new)
+            rows.append({"preset": name, "engine": "naive", "batch": 1, "new_tokens": new,
+                         "tok_per_s": 1 / step, "ms_per_step": 1e3 * step})
+            for batch in args.batches:
+                prompts = random_prompts(config, batch)
+                sp = SamplingParams(temperature=0.0, max_new_tokens=new)
+                ours = timed(lambda: generate(params, config, prompts, sp))  # noqa: B023
+                row = {"preset": name, "engine": "gpt-jax", "batch": batch, "new_tokens": new,
+                       "tok_per_s": batch * new / ours, "ms_per_step": 1e3 * ours / new}
+                if model is not None:
+                    theirs = hf_generate_seconds(model, prompts, new)
+                    rows.append({"preset": name, "engine": "transformers", "batch": batch,
+                                 "new_tokens": new, "tok_per_s": batch * new / theirs,
+                                 "ms_per_step": 1e3 * theirs / new})
+                    row["x_transformers"] = theirs / ours
+                if batch == 1:
+                    row["x_naive"] = row["tok_per_s"] * step  # naive runs 1/step tokens/s
+                rows.append(row)
+
+    def plot(ax, rows):
+        for engine in ("naive", "gpt-jax", "transformers"):
+            sel = [r for r in rows if r["engine"] == engine and r["preset"] == args.presets[0]
+                   and r["new_tokens"] == args.new_tokens[0]]
+            if sel:
+                ax.plot([r["batch"] for r in sel], [r["tok_per_s"] for r in sel], "o-",
+                        label=engine)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(f"tokens/s ({args.presets[0]}, prompt {PROMPT_LEN}, "
+                      f"{args.new_tokens[0]} new)")
+        ax.legend()
+
+    save("throughput", rows, plot, {"threads": args.threads})
+
+
+# ----------------------------------------------------------------- 3: decode vs live length
+
+
+def decode_step_seconds(params, config, batch, capacity, live, steps=8) -> float:
+    """Wall time of one cached decode step with every row at `live` tokens, measured over a
+    compiled scan of `steps` steps that do not advance (so the live length stays fixed)."""
+    _, step_fn = cached_model(params, config, capacity, jnp.float32)
+    shape = (batch, config.n_layers, capacity, config.kv_heads, config.head_dim)
+
+    @jax.jit
+    def run(cache):
+        tokens = jnp.zeros((batch,), jnp.int32)
+        hold = jnp.zeros((batch,), bool)
+        body = lambda c, _: (step_fn(tokens, c, hold)[1], None)  # noqa: E731
+        return jax.lax.scan(body, cache, None, length=steps)[0]
+
+    cache = LoopCache(k=jnp.zeros(shape), v=jnp.zeros(shape),
+                      lengths=jnp.full((batch,), live, jnp.int32),
+                      overflow=jnp.zeros((batch,), bool))
+    return timed(lambda: run(cache), repeats=2) / steps
+
+
+def live_length(args) -> None:
+    config = preset(args.preset)
+    params = init_params(config, jax.random.key(0))
+    rows = []
+    for batch in args.batches:
+        small = decode_step_seconds(params, config, batch, 128, 64)
+        rows.append({"batch": batch, "capacity": 128, "live": 64, "ms_per_step": 1e3 * small})
+        for live in args.live:
+            t = decode_step_seconds(params, config, batch, args.capacity, live)
+            rows.append({"batch": batch, "capacity": args.capacity, "live": live,
+                         "ms_per_step": 1e3 * t, "x_cap128_live64": t / small})
+
+    def plot(ax, rows):
+        for batch in args.batches:
+            sel = [r for r in rows if r["batch"] == batch and r["capacity"] == args.capacity]
+            ax.plot([r["live"] for r in sel], [r["ms_per_step"] for r in sel], "o-",
+                    label=f"batch {batch}, capacity {args.capacity}")
+        ax.set_xlabel("live tokens per row")
+        ax.set_ylabel("decode step (ms)")
+        ax.legend()
+
+    save("live-length", rows, plot, {"preset": args.preset})
+
+
+# ---------------------------------------------------------------------------- 4: roofline
+
+
+def bandwidth_gbs(n_bytes: int = 1 << 29) -> float:
+    """Memory read bandwidth: a jitted sum over a float32 array far larger than the caches."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    seconds = timed(lambda: jax.jit(jnp.sum)(x), repeats=5)
+    return n_bytes / seconds / 1e9
+
+
+def roofline(args) -> None:
+    config = preset(args.preset)
+    params = init_params(config, jax.random.key(0))
+    bandwidth = bandwidth_gbs()
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    rows = []
+    for batch in args.batches:
+        kv_bytes = 2 * config.n_layers * batch * args.live * config.kv_heads * config.head_dim * 4
+        bound = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
+        step = decode_step_seconds(params, config, batch, PROMPT_LEN + 128, args.live)
+        rows.append({"batch": batch, "live": args.live, "bandwidth_GBs": bandwidth,
+                     "weights_MB": weight_bytes / 1e6, "kv_MB": kv_bytes / 1e6,
+                     "bound_ms": 1e3 * bound, "step_ms": 1e3 * step, "x_bound": step / bound})
+
+    def plot(ax, rows):
+        ax.plot([r["batch"] for r in rows], [r["bound_ms"] for r in rows], "o--",
+                label="memory bound")
+        ax.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], "o-", label="measured")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(f"decode step (ms), live {args.live}")
+        ax.legend()
+
+    save("roofline", rows, plot, {"preset": args.preset})
+
+
+# ----------------------------------------------------------------- 5: time to first token
+
+
+def prefill_peak_bytes(params, config, length: int) -> int:
+    """Temporary memory XLA allocates for a batch-1 prefill of `length` tokens."""
+    prefill_fn, _ = cached_model(params, config, length, jnp.float32)
+    compiled = jax.jit(prefill_fn).lower(jnp.zeros((1, length), jnp.int32),
+                                         jnp.full((1,), length, jnp.int32)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def ttft(args) -> None:
+    config = preset(args.preset)
+    params = init_params(config, jax.random.key(0))
+    rows = []
+    one = SamplingParams(temperature=0.0, max_new_tokens=1)
+    for length in args.lengths:
+        prompts = random_prompts(config, 1, min(length, config.max_seq_len - 1))
+        seconds = timed(lambda: generate(params, config, prompts, one), repeats=2)  # noqa: B023
+        rows.append({"prompt": length, "ttft_ms": 1e3 * seconds})
+    longest = max(args.lengths)
+    peak = prefill_peak_bytes(params, config, longest)
+    full_scores = config.n_heads * longest * longest * 4  # one layer's [N, T, S] float32
+    print(f"prefill of {longest} tokens: XLA temporaries {peak / 1e6:.1f} MB; one layer's "
+          f"full [N, T, S] float32 scores would be {full_scores / 1e6:.1f} MB")
+
+    def plot(ax, rows):
+        ax.plot([r["prompt"] for r in rows], [r["ttft_ms"] for r in rows], "o-")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens (batch 1)")
+        ax.set_ylabel("time to first token (ms)")
+
+    save("ttft", rows, plot, {"preset": args.preset, "prefill_tokens": longest,
+                              "prefill_temp_bytes": peak, "full_scores_bytes": full_scores})
+
+
+# -------------------------------------------------------------------------- 6: compiles
+
+
+def compiles(args) -> None:
+    from jax import monitoring
+
+    config = preset(args.preset)
+    params = init_params(config, jax.random.key(0))
+    seconds = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: seconds.append(duration)
+        if event.endswith("backend_compile_duration") else None)
+    rng = np.random.default_rng(0)
+    before = sum(compile_counts().values())
+    rows = []
+    start = time.perf_counter()
+    for i in range(args.requests):
+        length = int(rng.integers(1, 513))
+        new = int(rng.integers(1, args.max_new_tokens + 1))
+        prompt = rng.integers(0, config.vocab_size, length).tolist()
+        generate(params, config, [prompt], SamplingParams(temperature=0.0, max_new_tokens=new))
+        rows.append({"request": i + 1, "prompt": length, "new_tokens": new,
+                     "programs": sum(compile_counts().values()) - before,
+                     "compile_s": sum(seconds), "elapsed_s": time.perf_counter() - start})
+    print(f"{args.requests} requests: {rows[-1]['programs']} programs compiled in "
+          f"{rows[-1]['compile_s']:.1f} s of {rows[-1]['elapsed_s']:.1f} s")
+
+    def plot(ax, rows):
+        ax.step([r["request"] for r in rows], [r["programs"] for r in rows], where="post")
+        ax.set_xlabel("requests served (prompt lengths 1..512)")
+        ax.set_ylabel("programs compiled")
+
+    save("compiles", rows[-1:] if not args.all_rows else rows, plot,
+         {"preset": args.preset, "per_request": rows})
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="gpt-jax bench", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="name", required=True)
+    p = sub.add_parser("throughput")
+    p.add_argument("--presets", nargs="+", default=["gpt2", "shakespeare-char"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--new-tokens", nargs="+", type=int, default=[128, 512])
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
+    p = sub.add_parser("live-length")
+    p.add_argument("--preset", default="gpt2")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--capacity", type=int, default=1024)
+    p.add_argument("--live", nargs="+", type=int, default=[64, 128, 256, 512, 1023])
+    p = sub.add_parser("roofline")
+    p.add_argument("--preset", default="gpt2")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--live", type=int, default=PROMPT_LEN + 64)
+    p = sub.add_parser("ttft")
+    p.add_argument("--preset", default="gpt2")
+    p.add_argument("--lengths", nargs="+", type=int, default=[16, 64, 256, 1023])
+    p = sub.add_parser("compiles")
+    p.add_argument("--preset", default="shakespeare-char")
+    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--all-rows", action="store_true", help="print every request")
+    args = parser.parse_args(argv)
+    {"throughput": throughput, "live-length": live_length, "roofline": roofline,
+     "ttft": ttft, "compiles": compiles}[args.name](args)
+
+
+if __name__ == "__main__":
+    main()
