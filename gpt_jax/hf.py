@@ -55,6 +55,9 @@ def _read_config(path: Path) -> GPTConfig:
         "tie_word_embeddings": (hf.get("tie_word_embeddings", True), (True,)),
         "add_cross_attention": (hf.get("add_cross_attention", False), (False,)),
     }
+    missing = [k for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size") if k not in hf]
+    if missing:
+        raise ValueError(f"{config_path}: missing {', '.join(missing)}")
     for name, (value, allowed) in unsupported.items():
         if value not in allowed:
             raise ValueError(f"{config_path}: {name}={value!r} is not supported "
@@ -175,8 +178,8 @@ def load_hf_gpt2(path: str | os.PathLike, dtype=np.float32) -> tuple[GPTConfig, 
     Raises:
       FileNotFoundError: no config.json, or no weights file (both named).
       ImportError: only pytorch_model.bin is there and torch is not installed.
-      ValueError: model_type is not "gpt2", or a config option we do not implement (named,
-        with the supported values); a tensor is missing, unexpected, or of the wrong shape
+      ValueError: model_type is not "gpt2"; a size is missing from config.json; a config
+        option we do not implement (named, with the supported values); a tensor is missing, unexpected, or of the wrong shape
         (named, with its shape and the expected one).
     """
     path = Path(path)

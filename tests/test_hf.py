@@ -257,6 +257,15 @@ def test_unsupported_configs_are_rejected(small_dir, tmp_path, change, message):
         load_hf_gpt2(tmp_path)
 
 
+def test_missing_config_sizes_are_named(small_dir, tmp_path):
+    _, path = small_dir
+    config = json.loads((path / "config.json").read_text())
+    del config["n_embd"], config["n_positions"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: missing n_embd, n_positions"):
+        load_hf_gpt2(tmp_path)
+
+
 def test_wrong_or_missing_tensors_are_named(small_dir, tmp_path):
     _, path = small_dir
     _copy_config(path, tmp_path)
