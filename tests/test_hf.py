@@ -30,6 +30,7 @@ def _require(name):
     return pytest.importorskip(name)
 
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never wait on a hub
 torch = _require("torch")
 transformers = _require("transformers")
 safetensors_numpy = _require("safetensors.numpy")
