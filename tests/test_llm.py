@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import lively_params
-from inference import cli
+from inference import cli, engine
 from inference.llm import LLM
 from inference.sampling import SamplingParams
 
@@ -58,12 +58,15 @@ PROMPT = PIECES.decode([5, 40])
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
 
 
-def first_at(text, width, offset, after=3):
-    """A substring of `width` characters starting `offset` into some token (from token
-    `after` on) whose first occurrence in `text` is exactly there."""
-    for t in range(after, len(text) // WIDTH - 2):
+def first_at(text, width, offset, across_chunks):
+    """A substring of `width` characters starting `offset` into a token, whose first
+    occurrence in `text` is exactly there and which (if `across_chunks`) straddles the end
+    of a compiled chunk, so that streaming sees only its beginning first."""
+    chunk_chars = engine.CHUNK * WIDTH
+    for t in range(3, len(text) // WIDTH - 2):
         s = t * WIDTH + offset
-        if text.find(text[s:s + width]) == s:
+        straddles = s // chunk_chars != (s + width - 1) // chunk_chars
+        if text.find(text[s:s + width]) == s and straddles == across_chunks:
             return s, text[s:s + width]
     raise AssertionError(f"no unique stop string candidate in {text!r}")
 
@@ -83,15 +86,16 @@ def joined_and_checked(deltas, n_rows):
     return texts, completions
 
 
-@pytest.mark.parametrize("width, offset, case", [
-    (9, 2, "starts inside a token, spans the next, ends inside the one after"),
-    (4, 3, "starts inside a token, ends inside the next"),
-    (3, 1, "sits inside one token"),
+@pytest.mark.parametrize("width, offset, across_chunks, case", [
+    (9, 2, True, "starts inside a token, spans the next, ends inside the one after"),
+    (4, 3, True, "starts inside a token, ends inside the next"),
+    (3, 1, False, "sits inside one token"),
 ])
-def test_stop_string_cuts_text_stops_the_row_and_never_streams(llm, width, offset, case):
+def test_stop_string_cuts_text_stops_the_row_and_never_streams(llm, width, offset,
+                                                                across_chunks, case, monkeypatch):
     (full,) = llm.generate([PROMPT], GREEDY)
     assert len(set(llm.tokenizer.encode(full.text))) >= 5
-    start, stop = first_at(full.text, width, offset)
+    start, stop = first_at(full.text, width, offset, across_chunks)
     end = start + width
     other = PIECES.decode([17, 3, 60])
     (other_full,) = llm.generate([other], GREEDY)
@@ -102,15 +106,30 @@ def test_stop_string_cuts_text_stops_the_row_and_never_streams(llm, width, offse
     assert out.tokens == full.tokens[: -(-end // WIDTH)]  # through the completing token
     assert other_out.text == other_full.text  # the other row runs on, unchanged
 
+    done = []  # per chunk run: had row 0 finished before it?
+    run_chunk = engine.chunk_program
+
+    def chunk_program(params, config, state, *args, **kwargs):
+        done.append(bool(state.done[0]))
+        return run_chunk(params, config, state, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "chunk_program", chunk_program)
     texts, completions = joined_and_checked(llm.stream([PROMPT, other], sampling), 2)
     assert texts == [out.text, other_out.text]
     assert completions[0].tokens == out.tokens
+    running_chunks = -(-len(out.tokens) // engine.CHUNK)  # then row 0 generates no more
+    assert done == [False] * running_chunks + [True] * (len(done) - running_chunks)
+
+    done.clear()  # alone, the stopped row ends the run at the next chunk boundary
+    (alone,) = llm.generate([PROMPT], sampling[0])
+    assert alone.text == out.text and len(done) == running_chunks
 
 
 def test_a_stop_prefix_that_never_completes_is_released(llm):
     (full,) = llm.generate([PROMPT], GREEDY)
-    _, piece = first_at(full.text, 4, 2)
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=48, stop=[piece + "z"])
+    chunk_end = engine.CHUNK * WIDTH
+    tail = full.text[chunk_end - 3:chunk_end]  # streaming must hold it back for a chunk
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=48, stop=[tail + "z"])
     texts, (c,) = joined_and_checked(llm.stream([PROMPT], sampling), 1)
     assert texts == [full.text] and c.finish_reason == "length" and c.tokens == full.tokens
 
