@@ -3,28 +3,34 @@
 Layout of a run directory:
   config.json        the GPTConfig
   train_config.json  the TrainConfig the run was started with
-  tokenizer.json     the tokenizer
+  tokenizer.json     the tokenizer (char-level JSON, or the `tokenizers` BPE format)
   metrics.jsonl      one JSON object per evaluation
-  checkpoints/<step>/{params,opt_state,meta}   Orbax, written atomically, last k kept
+  loss.png           train and val loss against step and against wall time
+  checkpoints/<step>/{params,opt_state,meta}   Orbax, written atomically; the last k and
+                     the one with the lowest val loss are kept
 
 Every file is written to a temporary name and renamed into place, and Orbax finalises a
 checkpoint only once all of it is on disk, so a run killed at any moment leaves the previous
-complete checkpoint intact.
+complete checkpoint intact. Each checkpoint's meta also holds a SHA-256 digest of its arrays:
+a checkpoint that fails to load or whose digest differs (truncated or corrupted on disk) is
+reported by path and the previous good one is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from gpt_jax.config import GPTConfig
-from gpt_jax.tokenizer import CharTokenizer
+from gpt_jax.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer_file
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
@@ -58,50 +64,114 @@ def save_tokenizer(run_dir, tokenizer) -> None:
     os.replace(tmp, path)
 
 
-def load_tokenizer(run_dir) -> CharTokenizer:
-    return CharTokenizer.load(Path(run_dir) / "tokenizer.json")
+def load_tokenizer(run_dir) -> CharTokenizer | BPETokenizer:
+    """The run's tokenizer, whichever kind it is. Raises FileNotFoundError naming the file."""
+    path = Path(run_dir) / "tokenizer.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{run_dir} has no tokenizer: {path} does not exist")
+    return load_tokenizer_file(path)
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint could not be read back, or its arrays do not match their digest."""
 
 
 def manager(run_dir, keep: int = 3) -> ocp.CheckpointManager:
-    """An Orbax manager over `run_dir/checkpoints` keeping the last `keep` checkpoints."""
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False)
+    """An Orbax manager over `run_dir/checkpoints` keeping the last `keep` checkpoints plus
+    the one with the lowest `val_loss` metric."""
+    policy = ocp.checkpoint_managers.AnyPreservationPolicy([
+        ocp.checkpoint_managers.LatestN(keep),
+        ocp.checkpoint_managers.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1),
+    ])
+    options = ocp.CheckpointManagerOptions(preservation_policy=policy,
+                                           enable_async_checkpointing=False)
     return ocp.CheckpointManager(
         Path(run_dir).absolute() / "checkpoints", options=options,
         item_names=("params", "opt_state", "meta"),
     )
 
 
-def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, meta: dict) -> None:
-    """Save params, optimizer state and JSON metadata (step, data position) at `step`."""
+def digest(*trees) -> str:
+    """SHA-256 over the bytes, shapes and dtypes of every array in the trees, in tree order."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(trees):
+        array = np.asarray(jax.device_get(leaf))
+        h.update(f"{array.shape}{array.dtype}".encode())
+        h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()
+
+
+def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, meta: dict,
+         val_loss: float | None = None) -> None:
+    """Save params, optimizer state and JSON metadata (step, data position, digests) at
+    `step`; `val_loss` ranks it for keeping the best."""
+    meta = {**meta, "params_digest": digest(params), "opt_state_digest": digest(opt_state)}
     mngr.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params),
         opt_state=ocp.args.StandardSave(opt_state),
         meta=ocp.args.JsonSave(meta),
-    ))
+    ), metrics=None if val_loss is None else {"val_loss": float(val_loss)})
     mngr.wait_until_finished()
 
 
-def restore(mngr: ocp.CheckpointManager, step: int, params_like, opt_state_like):
-    """Restore `(params, opt_state, meta)` at `step` into the structure of the given trees."""
+def _restore_step(mngr, step, params_like, opt_state_like):
+    """One checkpoint, verified against its digests; `opt_state_like=None` skips the
+    optimizer state (returned as None)."""
     abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)  # noqa: E731
-    out = mngr.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract(params_like)),
-        opt_state=ocp.args.StandardRestore(abstract(opt_state_like)),
-        meta=ocp.args.JsonRestore(),
-    ))
-    return out.params, out.opt_state, out.meta
+    items = {"params": ocp.args.StandardRestore(abstract(params_like)),
+             "meta": ocp.args.JsonRestore()}
+    if opt_state_like is not None:
+        items["opt_state"] = ocp.args.StandardRestore(abstract(opt_state_like))
+    path = mngr.directory / str(step)
+    try:
+        out = mngr.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # Orbax/tensorstore raise many types for a damaged file
+        reason = str(e).splitlines()[0][:200]  # tensorstore appends its whole spec
+        raise CorruptCheckpointError(f"checkpoint {path} cannot be read: {reason}") from e
+    opt_state = out.opt_state if opt_state_like is not None else None
+    checks = [("params", out.params)] + ([("opt_state", opt_state)] if opt_state else [])
+    for name, tree in checks:
+        if out.meta.get(f"{name}_digest") != digest(tree):
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupt: its {name} do not "
+                                         "match the digest saved with them")
+    return out.params, opt_state, out.meta
+
+
+def restore(mngr: ocp.CheckpointManager, step: int | None, params_like, opt_state_like,
+            report=print):
+    """Restore `(params, opt_state, meta)` into the structure (and shardings) of the given
+    trees, from `step` or, when that one is damaged, the newest earlier good checkpoint; each
+    damaged checkpoint is reported by path through `report`. `step=None` starts at the
+    latest; `opt_state_like=None` restores params only (opt_state comes back None).
+
+    Raises:
+      CorruptCheckpointError: no checkpoint at or before `step` can be restored.
+    """
+    steps = sorted((s for s in mngr.all_steps() if step is None or s <= step), reverse=True)
+    errors = []
+    for candidate in steps:
+        try:
+            return _restore_step(mngr, candidate, params_like, opt_state_like)
+        except CorruptCheckpointError as e:
+            errors.append(str(e))
+            report(f"{e}; trying the previous checkpoint")
+    raise CorruptCheckpointError(f"no usable checkpoint in {mngr.directory}: "
+                                 + ("; ".join(errors) or "none saved"))
 
 
 def load_params(run_dir, step: int | None = None):
-    """`(config, params, tokenizer)` of a run, from its latest (or given) checkpoint.
+    """`(config, params, tokenizer)` of a run, from its latest (or given) good checkpoint.
 
     Raises:
       FileNotFoundError: the directory has no config or no checkpoint.
+      CorruptCheckpointError: every candidate checkpoint is damaged.
     """
+    from gpt_jax.params import init_params  # the shapes to restore into
+
     config = load_config(run_dir)
     mngr = manager(run_dir)
-    step = mngr.latest_step() if step is None else step
-    if step is None:
+    if not mngr.all_steps():
         raise FileNotFoundError(f"{run_dir} has no checkpoint under checkpoints/")
-    params = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore())).params
+    params_like = jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0))
+    params, _, _ = restore(mngr, step, params_like, None)
     return config, params, load_tokenizer(run_dir)

@@ -2,12 +2,15 @@
 
 Usage:
   python -m training.train                               # shakespeare-char on the plays
-  python -m training.train --text my.txt --run-dir runs/mine --max-steps 2000
+  python -m training.train --preset nanogpt-cpu --text tinyshakespeare.txt --run-dir runs/nano
+  python -m training.train --text my.txt --run-dir runs/mine --max-steps 2000 --tokenizer bpe
   python -m training.train --run-dir runs/x              # resumes runs/x if it has checkpoints
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m training.train --devices 4
 
-Every TrainConfig field is a flag (`--batch-size 64`). A run resumes from the latest
-checkpoint in its run directory; the batch for step s depends only on (seed, s), so a
-resumed run sees exactly the data an uninterrupted run would have seen.
+`--preset` picks a TrainConfig preset; every TrainConfig field is also a flag
+(`--batch-size 64`) overriding it, and the resolved config is saved as train_config.json. A
+run resumes from its latest good checkpoint; the batch for step s depends only on
+(seed, s), so a resumed run sees exactly the data an uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -30,99 +36,223 @@ from gpt_jax import checkpoint
 from gpt_jax.config import GPTConfig
 from gpt_jax.model import forward
 from gpt_jax.params import init_params, param_count
-from gpt_jax.tokenizer import CharTokenizer
-from training import data
+from gpt_jax.tokenizer import BPETokenizer, CharTokenizer
+from training import data, report, sharding
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """Training hyper-parameters. Presets: `TRAIN_PRESETS`; `TrainConfig.preset(name, **kw)`.
+
+    Raises:
+      ValueError: a value is out of range (naming the field, value and range).
+    """
+
     model: str = "shakespeare-char"  # GPTConfig preset; vocab_size comes from the tokenizer
     text: str | None = None  # UTF-8 corpus file; None = the built-in Shakespeare plays
     run_dir: str = "runs/shakespeare-char"  # checkpoints, config, tokenizer, metrics, plots
-    batch_size: int = 32  # sequences per step
+    tokenizer: str = "char"  # "char" or "bpe" (byte-level BPE trained on the corpus)
+    bpe_vocab_size: int = 512  # BPE vocabulary size (256 bytes + merges)
+    batch_size: int = 16  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step (gradients averaged)
     block_size: int = 0  # tokens per sequence; 0 = the model's max_seq_len
-    max_steps: int = 3000  # optimizer steps (the cosine schedule ends here)
-    time_budget_s: float = 0.0  # stop (and checkpoint) after this much training; 0 = none
+    max_steps: int = 1100  # optimizer steps (the cosine schedule ends here)
+    time_budget_s: float = 0.0  # stop (and checkpoint) after this much wall time; 0 = none
     learning_rate: float = 2e-3  # peak AdamW learning rate
     min_learning_rate: float = 2e-4  # end of the cosine decay
     warmup_steps: int = 100  # linear warmup from 0
-    weight_decay: float = 0.1  # decoupled, on matrices only
+    weight_decay: float = 0.1  # decoupled, on weight matrices and embeddings only
     beta1: float = 0.9
     beta2: float = 0.99
-    grad_clip: float = 1.0  # global-norm clipping
-    eval_interval: int = 250  # steps between val-loss evaluations and checkpoints
+    grad_clip: float = 1.0  # global-norm clipping; 0 = off
+    compute_dtype: str = "float32"  # "bfloat16": bf16 matmuls, float32 master weights
+    eval_interval: int = 200  # steps between val-loss evaluations and checkpoints
     eval_batches: int = 16  # batches per evaluation
+    sample_tokens: int = 100  # tokens sampled and printed at each evaluation; 0 = none
     seed: int = 0  # parameter init and data order
     val_fraction: float = 0.1  # tail of the corpus held out
-    keep_checkpoints: int = 3  # Orbax keeps this many
+    keep_checkpoints: int = 3  # the last k are kept (and the best by val loss)
+    devices: int = 1  # data-parallel devices on the mesh; 0 = all
+    shard_params: bool = False  # split params and optimizer state over the mesh too
+    peak_flops: float = 0.0  # device peak FLOP/s for the MFU estimate; 0 = measure a matmul
 
     def __post_init__(self):
-        for name in ("batch_size", "max_steps", "eval_interval", "eval_batches",
-                     "keep_checkpoints"):
-            if getattr(self, name) <= 0:
+        positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches",
+                    "keep_checkpoints", "learning_rate")
+        for name in positive:
+            if not getattr(self, name) > 0:
                 raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.block_size < 0 or self.warmup_steps < 0 or self.time_budget_s < 0:
-            raise ValueError("block_size, warmup_steps and time_budget_s must be >= 0")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"TrainConfig.val_fraction must be in (0, 1), got {self.val_fraction}")
+        for name in ("block_size", "warmup_steps", "time_budget_s", "min_learning_rate",
+                     "weight_decay", "grad_clip", "sample_tokens", "devices", "peak_flops"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("val_fraction", "beta1", "beta2"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be in (0, 1), got {getattr(self, name)}")
+        choices = {"tokenizer": ("char", "bpe"), "compute_dtype": ("float32", "bfloat16")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"TrainConfig.{name} must be one of {allowed}, "
+                                 f"got {getattr(self, name)!r}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Only meaningful once block_size is resolved (see `prepare_run`)."""
+        return self.grad_accum * self.batch_size * self.block_size
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> TrainConfig:
+        """A named configuration with field overrides.
+
+        Raises:
+          ValueError: unknown preset or field (naming it and listing the allowed ones).
+        """
+        if name not in TRAIN_PRESETS:
+            raise ValueError(f"unknown TrainConfig preset {name!r}; choose one of "
+                             f"{sorted(TRAIN_PRESETS)}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if unknown := sorted(set(overrides) - set(fields)):
+            raise ValueError(f"unknown TrainConfig field(s) {unknown}; fields are {fields}")
+        return dataclasses.replace(TRAIN_PRESETS[name], **overrides)
+
+
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    # `make demo`: the built-in plays, tuned to reach val <= 1.70 nats/char in 450 s on 2 cores.
+    # `cli demo` trains TrainConfig() itself, so this preset is the class defaults.
+    "shakespeare-char": TrainConfig(),
+    # nanoGPT's config/train_shakespeare_char.py with its README's CPU overrides
+    # (--device=cpu --compile=False --eval_iters=20 --block_size=64 --batch_size=12
+    # --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0).
+    "nanogpt-cpu": TrainConfig(
+        model="nanogpt-cpu", run_dir="runs/nanogpt-cpu", batch_size=12, block_size=64,
+        max_steps=2000, learning_rate=1e-3, min_learning_rate=1e-4, warmup_steps=100,
+        weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0, eval_interval=250,
+        eval_batches=20, sample_tokens=0,
+    ),
+    # Tests: seconds, not minutes.
+    "tiny": TrainConfig(
+        model="tiny", run_dir="runs/tiny", batch_size=8, block_size=32, max_steps=300,
+        learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=10, eval_interval=100,
+        eval_batches=4, sample_tokens=0,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """Everything a run draws batches from, resolved once."""
+
+    train: np.ndarray  # int32 [n_train] token ids
+    val: np.ndarray  # int32 [n_val] token ids
+    block: int  # tokens per sequence
+    val_chars_per_token: float  # characters per token in the val split, to report nats/char
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup and cosine decay, after global-norm gradient clipping."""
+    """AdamW (Loshchilov & Hutter 2019) with linear warmup from 0 and cosine decay to
+    `min_learning_rate` at `max_steps` (nanoGPT's schedule), after global-norm clipping.
+    Weight decay applies to the weight matrices and embeddings (names starting with "w"),
+    not to biases or LayerNorm parameters, whatever their stacked rank."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.max_steps, cfg.warmup_steps + 1),
         cfg.min_learning_rate,
     )
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, cfg.beta1, cfg.beta2, weight_decay=cfg.weight_decay,
-                    mask=decay_mask),
-    )
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: str(path[-1].key).startswith("w"), params)
+
+    adamw = optax.adamw(schedule, cfg.beta1, cfg.beta2, weight_decay=cfg.weight_decay,
+                        mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip \
+        else adamw
 
 
-def loss_fn(params, config: GPTConfig, x_BT, y_BT):
-    """Mean next-token cross-entropy in nats."""
+def loss_fn(params, config: GPTConfig, x_BT, y_BT, compute_dtype=jnp.float32):
+    """Mean next-token cross-entropy in nats per token. With a bfloat16 `compute_dtype` the
+    float32 master params are cast for the forward pass (their gradients come back float32);
+    logits, LayerNorm and softmax stay float32 inside the model."""
+    params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
     logits_BTV = forward(params, x_BT, config)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, y_BT).mean()
 
 
-def make_train_step(config: GPTConfig, optimizer):
-    """`train_step(params, opt_state, x, y) -> (params, opt_state, loss)`, jitted, donating
-    the old params and optimizer state."""
+def make_train_step(config: GPTConfig, optimizer, compute_dtype=jnp.float32,
+                    shardings=None):
+    """`train_step(params, opt_state, x_ABT, y_ABT) -> (params, opt_state, loss)`, jitted,
+    donating the old params and optimizer state.
 
-    def train_step(params, opt_state, x_BT, y_BT):
-        loss, grads = jax.value_and_grad(loss_fn)(params, config, x_BT, y_BT)
+    x_ABT, y_ABT hold A micro-batches; their gradients are averaged (a `lax.scan`, so memory
+    stays one micro-batch) before one optimizer update. `shardings` = (params, opt_state)
+    shardings pins the outputs to the inputs' layout on a mesh.
+    """
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(params, opt_state, x_ABT, y_ABT):
+        def micro(acc, xy):
+            loss, grads = grad_fn(params, config, *xy, compute_dtype)
+            return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        total, _ = jax.lax.scan(micro, zero, (x_ABT, y_ABT))
+        loss, grads = jax.tree.map(lambda t: t / x_ABT.shape[0], total)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(train_step, donate_argnums=(0, 1))
+    out_shardings = None if shardings is None else (*shardings, None)
+    return jax.jit(train_step, donate_argnums=(0, 1), out_shardings=out_shardings)
 
 
-def evaluate(params, config, split_tokens, cfg: TrainConfig, block: int) -> float:
-    """Mean loss over `eval_batches` fixed batches (the same every evaluation)."""
-    eval_loss = jax.jit(loss_fn, static_argnums=1)
-    losses = [
-        eval_loss(params, config, *data.get_batch(split_tokens, cfg.batch_size, block,
-                                                   cfg.seed + 1, i))
-        for i in range(cfg.eval_batches)
-    ]
-    return float(np.mean(jax.device_get(losses)))
+def step_batch(cfg: TrainConfig, batches: Batches, step: int):
+    """The global batch of optimizer step `step`: `(x, y)` int32 `[A, B, T]`, a pure
+    function of (seed, step)."""
+    x, y = data.get_batch(batches.train, cfg.grad_accum * cfg.batch_size, batches.block,
+                          cfg.seed, step)
+    shape = (cfg.grad_accum, cfg.batch_size, batches.block)
+    return x.reshape(shape), y.reshape(shape)
+
+
+_eval_loss = jax.jit(loss_fn, static_argnums=(1, 4))  # one cache for every run in a process
+
+
+def evaluate(params, config, cfg: TrainConfig, batches: Batches, mesh) -> dict[str, float]:
+    """Val loss over `eval_batches` fixed batches (the same every evaluation), in nats per
+    token and per character (per-token loss x tokens / characters of the val split)."""
+    dtype = jnp.dtype(cfg.compute_dtype)
+    losses = []
+    for i in range(cfg.eval_batches):
+        x, y = data.get_batch(batches.val, cfg.batch_size, batches.block, cfg.seed + 1, i)
+        losses.append(_eval_loss(params, config, sharding.put_batch(x, mesh),
+                                sharding.put_batch(y, mesh), dtype))
+    per_token = float(np.mean(jax.device_get(losses)))
+    return {"val_loss": per_token, "val_loss_per_char": per_token / batches.val_chars_per_token}
 
 
 def load_corpus(cfg: TrainConfig) -> str:
     return data.load_text(cfg.text) if cfg.text else data.shakespeare_text()
 
 
+def make_tokenizer(cfg: TrainConfig, text: str):
+    if cfg.tokenizer == "bpe":
+        return BPETokenizer.from_text(text, cfg.bpe_vocab_size)
+    return CharTokenizer.from_text(text)
+
+
 def prepare_run(cfg: TrainConfig):
-    """Config, tokenizer and token splits; a resumed run reuses its saved config and
-    tokenizer. Raises ValueError for a corpus too short for one block."""
+    """`(config, tokenizer, Batches)`; a resumed run reuses its saved config and tokenizer.
+
+    Raises:
+      ValueError: the corpus is empty or too short for one block in either split, or the
+        block is longer than the model's max_seq_len.
+    """
     run_dir = Path(cfg.run_dir)
     text = load_corpus(cfg)
+    if not text:
+        raise ValueError("the corpus is empty: a corpus needs text")
     if (run_dir / "config.json").exists():
         config, tokenizer = checkpoint.load_config(run_dir), checkpoint.load_tokenizer(run_dir)
     else:
-        tokenizer = CharTokenizer.from_text(text)
+        tokenizer = make_tokenizer(cfg, text)
         config = GPTConfig.preset(cfg.model, vocab_size=tokenizer.vocab_size)
     block = cfg.block_size or config.max_seq_len
     if block > config.max_seq_len:
@@ -135,112 +265,174 @@ def prepare_run(cfg: TrainConfig):
                 f"the {name} split has {len(part)} tokens, fewer than one block of {block} + 1; "
                 f"the corpus ({len(tokens)} tokens) is too short"
             )
-    return config, tokenizer, train_tokens, val_tokens, block
+    chars_per_token = len(tokenizer.decode(val_tokens)) / len(val_tokens)
+    return config, tokenizer, Batches(train_tokens, val_tokens, block, chars_per_token)
+
+
+def init_state(cfg: TrainConfig, config: GPTConfig, optimizer, mesh):
+    """Fresh params and optimizer state, placed on the mesh, and their shardings."""
+    params = init_params(config, jax.random.key(cfg.seed))
+    params = sharding.put_tree(params, mesh, cfg.shard_params)
+    opt_state = sharding.put_tree(optimizer.init(params), mesh, cfg.shard_params)
+    shardings = (sharding.tree_shardings(params, mesh, cfg.shard_params),
+                 sharding.tree_shardings(opt_state, mesh, cfg.shard_params))
+    return params, opt_state, shardings
+
+
+def start_or_resume(cfg, config, tokenizer, params, opt_state, mngr):
+    """Restore the latest good checkpoint, or write the run's config files. Returns
+    `(params, opt_state, step, elapsed_s)`."""
+    run_dir = Path(cfg.run_dir)
+    if mngr.all_steps():
+        params, opt_state, meta = checkpoint.restore(mngr, None, params, opt_state)
+        step, elapsed = int(meta["step"]), float(meta.get("elapsed_s", 0.0))
+        report.truncate_metrics(run_dir, step)  # drop evaluations logged after it
+        print(f"resuming {run_dir} from step {step}")
+        return params, opt_state, step, elapsed
+    checkpoint.save_config(run_dir, config)
+    checkpoint.save_tokenizer(run_dir, tokenizer)
+    checkpoint.write_json_atomic(run_dir / "train_config.json", dataclasses.asdict(cfg))
+    return params, opt_state, 0, 0.0
 
 
 def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
     """Train (or resume) a run. Returns a summary: steps, losses, tokens/s, seconds.
 
-    `on_eval(step, params)` is called after each evaluation (tests use it to stop a run).
+    `on_eval(step, params)` is called after each evaluation; the next step donates those
+    params' buffers, so copy them (`jax.device_get`) to keep them.
     """
-    config, tokenizer, train_tokens, val_tokens, block = prepare_run(cfg)
-    run_dir = Path(cfg.run_dir)
+    config, tokenizer, batches = prepare_run(cfg)
+    cfg = dataclasses.replace(cfg, block_size=batches.block)
+    mesh = sharding.make_mesh(cfg.devices)
     optimizer = make_optimizer(cfg)
-    params = init_params(config, jax.random.key(cfg.seed))
-    opt_state = optimizer.init(params)
-    mngr = checkpoint.manager(run_dir, cfg.keep_checkpoints)
-    start = 0
-    if (latest := mngr.latest_step()) is not None:
-        params, opt_state, meta = checkpoint.restore(mngr, latest, params, opt_state)
-        start = int(meta["step"])
-        print(f"resuming {run_dir} from step {start}")
-    else:
-        checkpoint.save_config(run_dir, config)
-        checkpoint.save_tokenizer(run_dir, tokenizer)
-        checkpoint.write_json_atomic(run_dir / "train_config.json", dataclasses.asdict(cfg))
+    params, opt_state, shardings = init_state(cfg, config, optimizer, mesh)
+    mngr = checkpoint.manager(cfg.run_dir, cfg.keep_checkpoints)
+    params, opt_state, start, elapsed0 = start_or_resume(cfg, config, tokenizer, params,
+                                                         opt_state, mngr)
+    flops_per_token = report.flops_per_token(config, params, batches.block)
+    peak = cfg.peak_flops or report.measure_peak_flops() * mesh.devices.size
     print(f"model {cfg.model}: {param_count(params) / 1e6:.2f}M params, vocab "
-          f"{config.vocab_size}, block {block}, {len(train_tokens):,} train tokens")
-
-    train_step = make_train_step(config, optimizer)
-    tokens_per_step = cfg.batch_size * block
-    t0, train_seconds, loss, val_loss = time.perf_counter(), 0.0, math.nan, math.nan
-    step = start
-    bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps, unit="step")
-    for step in bar:
-        x, y = data.get_batch(train_tokens, cfg.batch_size, block, cfg.seed, step)
-        tick = time.perf_counter()
-        params, opt_state, loss_arr = train_step(params, opt_state, x, y)
-        loss = float(loss_arr)  # syncs, so the timing below is real
-        train_seconds += time.perf_counter() - tick
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step * (step + 1 - start) / train_seconds:,.0f}")
-        last = step + 1 == cfg.max_steps
-        out_of_time = cfg.time_budget_s and time.perf_counter() - t0 >= cfg.time_budget_s
-        if (step + 1) % cfg.eval_interval == 0 or last or out_of_time:
-            val_loss = evaluate(params, config, val_tokens, cfg, block)
-            record = {"step": step + 1, "train_loss": loss, "val_loss": val_loss,
-                      "elapsed_s": time.perf_counter() - t0}
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-            bar.write(f"step {step + 1}: train {loss:.4f} val {val_loss:.4f}")
-            checkpoint.save(mngr, step + 1, params, opt_state, {"step": step + 1})
-            if on_eval:
-                on_eval(step + 1, params)
-        if out_of_time:
-            bar.write(f"time budget of {cfg.time_budget_s:.0f}s reached at step {step + 1}")
-            break
-    bar.close()
-    plot_losses(run_dir)
-    steps_done = step + 1 - start
-    return {
-        "steps": step + 1, "train_loss": loss, "val_loss": val_loss,
-        "train_seconds": train_seconds,
-        "tokens_per_s": tokens_per_step * steps_done / max(train_seconds, 1e-9),
-    }
+          f"{config.vocab_size}, block {batches.block}, {len(batches.train):,} train tokens, "
+          f"{mesh.devices.size} device(s), peak {peak / 1e9:.0f} GFLOP/s")
+    train_step = make_train_step(config, optimizer, jnp.dtype(cfg.compute_dtype), shardings)
+    loop = Loop(cfg, config, tokenizer, batches, mesh, mngr, flops_per_token, peak, elapsed0)
+    params, opt_state = loop.run(train_step, params, opt_state, start, on_eval)
+    if jax.process_index() == 0:
+        report.plot_losses(cfg.run_dir)
+    return loop.summary()
 
 
-def plot_losses(run_dir: Path) -> Path | None:
-    """Write run_dir/loss.png (train and val loss against step) from metrics.jsonl."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return None
-    import matplotlib
+class Loop:
+    """The training loop's bookkeeping: timing, progress bar, evaluation, checkpoints."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def __init__(self, cfg, config, tokenizer, batches, mesh, mngr, flops_per_token, peak,
+                 elapsed0):
+        self.cfg, self.config, self.tokenizer, self.batches = cfg, config, tokenizer, batches
+        self.mesh, self.mngr, self.flops_per_token, self.peak = mesh, mngr, flops_per_token, peak
+        self.elapsed0, self.train_seconds, self.steps_run = elapsed0, 0.0, 0
+        self.step, self.loss, self.losses, self.evals = 0, math.nan, [], {}
 
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key in ("train_loss", "val_loss"):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker=".", label=key)
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=Path(run_dir).name)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(run_dir) / "loss.png"
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    def run(self, train_step, params, opt_state, start, on_eval):
+        cfg, t0 = self.cfg, time.perf_counter()
+        self.step = start
+        bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps,
+                   unit="step", file=sys.stdout, mininterval=1.0)
+        for step in bar:
+            x, y = step_batch(cfg, self.batches, step)
+            tick = time.perf_counter()
+            params, opt_state, loss = train_step(params, opt_state,
+                                                 sharding.put_batch(x, self.mesh, 1),
+                                                 sharding.put_batch(y, self.mesh, 1))
+            self.loss = float(loss)  # syncs, so the timing below is real
+            if step > start:  # the first step of a process compiles: not throughput
+                self.train_seconds += time.perf_counter() - tick
+                self.steps_run += 1
+            self.step = step + 1
+            self.losses.append(self.loss)
+            bar.set_postfix_str(self.postfix(), refresh=False)
+            elapsed = time.perf_counter() - t0
+            out_of_time = bool(cfg.time_budget_s) and elapsed >= cfg.time_budget_s
+            if self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps or out_of_time:
+                self.checkpoint(params, opt_state, self.elapsed0 + elapsed, bar)
+                if on_eval:
+                    on_eval(self.step, params)
+            if out_of_time:
+                bar.write(f"time budget of {cfg.time_budget_s:.0f}s reached at step {self.step}")
+                break
+        bar.close()
+        return params, opt_state
+
+    def tokens_per_s(self) -> float:
+        """Training throughput, the compiling first step left out."""
+        return self.cfg.tokens_per_step * self.steps_run / max(self.train_seconds, 1e-9)
+
+    def postfix(self) -> str:
+        tok_s = self.tokens_per_s()
+        mfu = tok_s * self.flops_per_token / self.peak
+        return f"loss={self.loss:.3f}, tok/s={tok_s:,.0f}, MFU={100 * mfu:.1f}%"
+
+    def checkpoint(self, params, opt_state, elapsed, bar):
+        """Evaluate, log a metrics line, print a sample, save a checkpoint."""
+        self.evals = evaluate(params, self.config, self.cfg, self.batches, self.mesh)
+        record = {"step": self.step, "train_loss": float(np.mean(self.losses)),
+                  **self.evals, "elapsed_s": elapsed, "tokens_per_s": self.tokens_per_s()}
+        self.losses = []
+        if jax.process_index() == 0:  # one writer when several hosts train together
+            report.append_metrics(self.cfg.run_dir, record)
+        bar.write(f"step {self.step}: train {record['train_loss']:.4f} val "
+                  f"{self.evals['val_loss']:.4f} nats/token "
+                  f"({self.evals['val_loss_per_char']:.4f}/char), {elapsed:.0f}s")
+        if self.cfg.sample_tokens:
+            bar.write(report.sample(params, self.config, self.tokenizer, self.batches.val[:1],
+                                        self.cfg.sample_tokens, self.step))
+        checkpoint.save(self.mngr, self.step, params, opt_state,
+                        {"step": self.step, "elapsed_s": elapsed}, self.evals["val_loss"])
+
+    def summary(self) -> dict[str, Any]:
+        return {"steps": self.step, "train_loss": self.loss, **self.evals,
+                "train_seconds": self.train_seconds, "tokens_per_s": self.tokens_per_s()}
 
 
-def parser_for(cls) -> argparse.ArgumentParser:
-    """An argparse parser with one `--field-name` flag per dataclass field."""
+def _flag_type(annotation):
+    """argparse `type=` for a dataclass field annotation (a string under
+    `from __future__ import annotations`)."""
+    hint = eval(annotation, {"types": types, "typing": typing}) \
+        if isinstance(annotation, str) else annotation
+    options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    kind = options[0]
+    if kind is bool:
+        def parse_bool(value: str) -> bool:
+            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+            return value.lower() in ("1", "true", "yes")
+        return parse_bool
+    return kind
+
+
+def parser_for(cls, defaults: bool = True) -> argparse.ArgumentParser:
+    """An argparse parser with one `--field-name` flag per dataclass field. With
+    `defaults=False` every flag defaults to None, so only the flags given are overrides."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     for field in dataclasses.fields(cls):
-        kind = field.type if isinstance(field.type, type) else str
-        if field.type in ("int", int):
-            kind = int
-        elif field.type in ("float", float):
-            kind = float
-        else:
-            kind = str
-        parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name, type=kind,
-                            default=field.default)
+        parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
+                            type=_flag_type(field.type),
+                            default=field.default if defaults else None)
     return parser
 
 
+def config_from_args(argv=None) -> TrainConfig:
+    """`--preset NAME` (default shakespeare-char) plus field overrides."""
+    parser = parser_for(TrainConfig, defaults=False)
+    parser.add_argument("--preset", default="shakespeare-char",
+                        help=f"one of {sorted(TRAIN_PRESETS)}")
+    args = vars(parser.parse_args(argv))
+    name = args.pop("preset")
+    return TrainConfig.preset(name, **{k: v for k, v in args.items() if v is not None})
+
+
 def main(argv=None):
-    args = parser_for(TrainConfig).parse_args(argv)
-    summary = train(TrainConfig(**vars(args)))
+    summary = train(config_from_args(argv))
     print(json.dumps(summary, indent=2))
 
 

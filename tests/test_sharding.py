@@ -1,0 +1,95 @@
+"""Data-parallel and sharded training and generation on 4 host CPU devices.
+
+XLA reads --xla_force_host_platform_device_count when jax starts, so the checks run in a
+subprocess (`python tests/test_sharding.py`) that sets it first, and print JSON results.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+N_DEVICES = 4
+
+
+def test_four_device_step_and_generate_match_one_device():
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={N_DEVICES}",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert results["devices"] == N_DEVICES
+    for mode in ("data_parallel", "sharded_params"):
+        r = results[mode]
+        assert r["batch_devices"] == N_DEVICES, r
+        assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
+        assert r["finite"], r
+    assert results["sharded_params"]["param_shards"] == N_DEVICES
+    assert results["single_tokens"] == results["sharded_tokens"]
+    assert len(set(results["single_tokens"][0])) >= 5  # lively, so a mismatch would show
+
+
+def _max_diff(a, b):
+    import jax
+    import numpy as np
+
+    return max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max())
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _step(mesh, shard_params, config, cfg, x, y):
+    """One train step on `mesh`: `(loss, params, devices holding x, distinct wte shards)`."""
+    import dataclasses
+
+    import jax
+
+    from training import sharding, train
+
+    cfg = dataclasses.replace(cfg, shard_params=shard_params)
+    optimizer = train.make_optimizer(cfg)
+    params, opt_state, shardings = train.init_state(cfg, config, optimizer, mesh)
+    step = train.make_train_step(config, optimizer, shardings=shardings)
+    xs, ys = sharding.put_batch(x, mesh, 1), sharding.put_batch(y, mesh, 1)
+    params, opt_state, loss = step(params, opt_state, xs, ys)
+    wte_shards = len({str(s.index) for s in params["wte"].addressable_shards})
+    return float(loss), jax.device_get(params), len(xs.sharding.device_set), wte_shards
+
+
+def main():
+    import jax
+    import numpy as np
+
+    from conftest import lively_params
+    from gpt_jax.config import GPTConfig
+    from inference import SamplingParams, generate
+    from training import sharding, train
+
+    config = GPTConfig.preset("tiny")
+    cfg = train.TrainConfig.preset("tiny", grad_accum=2)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, config.vocab_size, (2, 8, 32)).astype(np.int32)  # [A, B, T]
+    y = np.roll(x, -1, axis=2)
+    one, four = sharding.make_mesh(1), sharding.make_mesh(N_DEVICES)
+    loss1, params1, _, _ = _step(one, False, config, cfg, x, y)
+    results = {"devices": len(jax.devices())}
+    for mode, shard in (("data_parallel", False), ("sharded_params", True)):
+        loss4, params4, batch_devices, param_shards = _step(four, shard, config, cfg, x, y)
+        results[mode] = {"loss_diff": abs(loss4 - loss1), "param_diff": _max_diff(params4, params1),
+                         "batch_devices": batch_devices, "param_shards": param_shards,
+                         "finite": bool(np.isfinite(loss4))}
+    params = lively_params(config)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+    single = generate(params, config, prompts, greedy)
+    split = generate(sharding.put_tree(params, four, True), config, prompts, greedy)
+    results["single_tokens"] = [c.tokens for c in single]
+    results["sharded_tokens"] = [c.tokens for c in split]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    main()

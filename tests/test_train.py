@@ -1,0 +1,264 @@
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import assert_close
+from gpt_jax import checkpoint, forward
+from gpt_jax.config import GPTConfig
+from gpt_jax.params import init_params
+from training import train as T
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("the king queen lord speaks night day love death sword crown heart blood gentle "
+         "sweet noble fair good my thy and of to in what how now").split()
+
+
+def synthetic_corpus(n_lines=1500, seed=0) -> str:
+    """Sentences of random words: characters are far from uniform, words are learnable."""
+    rng = np.random.default_rng(seed)
+    lines = [" ".join(rng.choice(WORDS, rng.integers(4, 9))).capitalize() + "."
+             for _ in range(n_lines)]
+    return "\n".join(lines) + "\n"
+
+
+def unigram_entropy(text: str) -> float:
+    """Entropy in nats of the character distribution of `text`."""
+    counts = np.array(list(Counter(text).values()), np.float64)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "words.txt"
+    path.write_text(synthetic_corpus())
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """One 300-step tiny run; the params at each evaluation are kept."""
+    cfg = T.TrainConfig.preset("tiny", text=str(corpus), keep_checkpoints=2,
+                               run_dir=str(tmp_path_factory.mktemp("run") / "tiny"))
+    seen = {}
+    # The next step donates the params' buffers: keep host copies.
+    summary = T.train(cfg, on_eval=lambda step, params: seen.update({step: jax.device_get(params)}))
+    return cfg, summary, seen
+
+
+def test_training_beats_the_unigram_entropy_within_300_steps(trained, corpus):
+    cfg, summary, _ = trained
+    _, val_text = T.data.split(np.array(list(corpus.read_text())), cfg.val_fraction)
+    entropy = unigram_entropy("".join(val_text))
+    rows = T.report.read_metrics(cfg.run_dir)
+    assert [r["step"] for r in rows] == [100, 200, 300]
+    assert summary["steps"] == 300
+    assert summary["val_loss"] < 0.75 * entropy, (summary["val_loss"], entropy)
+    assert summary["val_loss_per_char"] == summary["val_loss"]  # char-level: equal
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"]
+    assert Path(cfg.run_dir, "loss.png").stat().st_size > 0
+
+
+def test_checkpoint_round_trip_gives_identical_logits(trained):
+    cfg, _, seen = trained
+    config, params, tokenizer = checkpoint.load_params(cfg.run_dir)
+    tokens = jnp.asarray([tokenizer.encode("The king speaks")], jnp.int32)
+    expected = np.asarray(forward(seen[300], tokens, config))
+    np.testing.assert_array_equal(np.asarray(forward(params, tokens, config)), expected)
+
+
+def test_run_dir_keeps_last_k_and_the_config(trained):
+    cfg, _, _ = trained
+    assert sorted(checkpoint.manager(cfg.run_dir).all_steps()) == [200, 300]
+    saved = json.loads(Path(cfg.run_dir, "train_config.json").read_text())
+    assert T.TrainConfig(**saved) == dataclasses.replace(cfg, block_size=32)
+
+
+def test_manager_keeps_the_last_k_and_the_best(tmp_path):
+    mngr = checkpoint.manager(tmp_path, keep=2)
+    params = {"w": jnp.ones((2, 3))}
+    for step, val_loss in [(1, 3.0), (2, 1.0), (3, 2.0), (4, 4.0), (5, 5.0)]:
+        checkpoint.save(mngr, step, params, params, {"step": step}, val_loss)
+    assert sorted(mngr.all_steps()) == [2, 4, 5]  # the best (2) and the last two
+
+
+def _damage(run_dir: Path, step: int, how: str) -> Path:
+    files = sorted((p for p in (run_dir / "checkpoints" / str(step) / "params").rglob("*")
+                    if p.is_file()), key=lambda p: p.stat().st_size)
+    victim = files[-1]  # the largest: the array data
+    raw = victim.read_bytes()
+    if how == "truncate":
+        victim.write_bytes(raw[: len(raw) // 2])
+    else:  # flip bytes in the middle, size unchanged
+        middle = len(raw) // 2
+        victim.write_bytes(raw[:middle] + bytes(b ^ 0xFF for b in raw[middle:middle + 64])
+                           + raw[middle + 64:])
+    return victim
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_damaged_checkpoint_is_reported_and_the_previous_one_used(
+        trained, tmp_path, capsys, how):
+    import shutil
+
+    cfg, _, seen = trained
+    run_dir = tmp_path / "run"
+    shutil.copytree(cfg.run_dir, run_dir)
+    steps = sorted(checkpoint.manager(run_dir).all_steps())
+    _damage(run_dir, steps[-1], how)
+    config, params, _ = checkpoint.load_params(run_dir)
+    out = capsys.readouterr().out
+    assert f"checkpoint {run_dir.absolute()}/checkpoints/{steps[-1]} " in out
+    assert "trying the previous checkpoint" in out
+    tokens = jnp.arange(8, dtype=jnp.int32)[None]
+    np.testing.assert_array_equal(np.asarray(forward(params, tokens, config)),
+                                  np.asarray(forward(seen[steps[-2]], tokens, config)))
+
+
+def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(corpus, tmp_path):
+    steps, every = 40, 4
+    killed_dir, reference_dir = tmp_path / "killed", tmp_path / "reference"
+    cmd = [sys.executable, "-m", "training.train", "--preset", "tiny", "--text", str(corpus),
+           "--run-dir", str(killed_dir), "--max-steps", str(steps),
+           "--eval-interval", str(every)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    ckpts = killed_dir / "checkpoints"
+    deadline = time.time() + 240
+    while not (ckpts.exists() and any(p.name.isdigit() and int(p.name) >= 2 * every
+                                      for p in ckpts.iterdir())):
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(checkpoint.manager(killed_dir).all_steps())
+    assert killed_at < steps
+
+    cfg = T.config_from_args(cmd[cmd.index("--preset"):])
+    resumed = T.train(cfg)
+    reference = T.train(dataclasses.replace(cfg, run_dir=str(reference_dir)))
+    assert resumed["steps"] == reference["steps"] == steps
+    _, params, _ = checkpoint.load_params(killed_dir)
+    _, expected, _ = checkpoint.load_params(reference_dir)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
+        assert_close(a, b, 1e-6, "resumed params")
+    rows = T.report.read_metrics(killed_dir)
+    assert [r["step"] for r in rows] == list(range(every, steps + 1, every))
+
+
+def _one_step(cfg, config, x, y, optimizer, compute_dtype=jnp.float32):
+    params = init_params(config, jax.random.key(0))
+    step = T.make_train_step(config, optimizer, compute_dtype)
+    return step(params, optimizer.init(params), x, y)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    config = GPTConfig.preset("tiny")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, config.vocab_size, (8, 16)).astype(np.int32)
+    y = np.roll(x, -1, axis=1)
+    sgd = optax.sgd(0.5)  # updates are the gradients themselves, so they are compared
+    cfg = T.TrainConfig.preset("tiny")
+    big, _, loss_big = _one_step(cfg, config, x[None], y[None], sgd)
+    acc, _, loss_acc = _one_step(cfg, config, x.reshape(4, 2, 16), y.reshape(4, 2, 16), sgd)
+    assert_close(loss_acc, loss_big, 1e-6, "loss")
+    for a, b in zip(jax.tree.leaves(acc), jax.tree.leaves(big)):
+        assert_close(a, b, 1e-6, "params")
+
+
+def test_bfloat16_compute_keeps_float32_master_weights():
+    config = GPTConfig.preset("tiny")
+    x = np.random.default_rng(1).integers(0, config.vocab_size, (1, 4, 16)).astype(np.int32)
+    cfg = T.TrainConfig.preset("tiny")
+    optimizer = T.make_optimizer(cfg)
+    p32, _, loss32 = _one_step(cfg, config, x, x, optimizer)
+    p16, _, loss16 = _one_step(cfg, config, x, x, optimizer, jnp.bfloat16)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(p16))
+    assert abs(float(loss16) - float(loss32)) < 0.05
+    assert float(loss16) != float(loss32)  # it did compute in bfloat16
+
+
+def test_weight_decay_spares_biases_and_layernorm():
+    config = GPTConfig.preset("tiny")
+    params = init_params(config, jax.random.key(0))
+    cfg = T.TrainConfig.preset("tiny", warmup_steps=0, grad_clip=0.0)
+    optimizer = T.make_optimizer(cfg)
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+    flat = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for path, update in flat:
+        name = path[-1].key
+        assert bool(jnp.any(update != 0)) == name.startswith("w"), name
+
+
+def test_cli_flags_override_the_preset():
+    cfg = T.config_from_args(["--preset", "nanogpt-cpu", "--batch-size", "4",
+                              "--shard-params", "true", "--text", "x.txt"])
+    assert cfg == dataclasses.replace(T.TRAIN_PRESETS["nanogpt-cpu"], batch_size=4,
+                                      shard_params=True, text="x.txt")
+    nano = T.TRAIN_PRESETS["nanogpt-cpu"]
+    assert (nano.batch_size, nano.block_size, nano.max_steps, nano.learning_rate,
+            nano.min_learning_rate, nano.beta2, nano.warmup_steps) == \
+        (12, 64, 2000, 1e-3, 1e-4, 0.99, 100)
+    shape = GPTConfig.preset("nanogpt-cpu")
+    assert (shape.n_layers, shape.n_heads, shape.d_model, shape.max_seq_len) == (4, 4, 128, 64)
+
+
+def test_unknown_preset_or_field_is_refused(capsys):
+    with pytest.raises(ValueError, match=r"unknown TrainConfig preset 'nanogpt'; choose one of "
+                                         r"\['nanogpt-cpu', 'shakespeare-char', 'tiny'\]"):
+        T.TrainConfig.preset("nanogpt")
+    with pytest.raises(ValueError, match=r"unknown TrainConfig field\(s\) \['lr'\]; fields "
+                                         r"are \['model', "):
+        T.TrainConfig.preset("tiny", lr=1e-3)
+    with pytest.raises(SystemExit):
+        T.config_from_args(["--lr", "1e-3"])
+    assert "unrecognized arguments: --lr" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"TrainConfig.compute_dtype must be one of "
+                                         r"\('float32', 'bfloat16'\), got 'float16'"):
+        T.TrainConfig.preset("tiny", compute_dtype="float16")
+    with pytest.raises(ValueError, match="TrainConfig.grad_accum must be > 0, got 0"):
+        T.TrainConfig.preset("tiny", grad_accum=0)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty: a corpus needs text"),
+    (b"Too short for a block.\n" * 2, r"the val split has 5 tokens, fewer than one block "
+                                      r"of 32 \+ 1; the corpus \(46 tokens\) is too short"),
+    (b"fine text then \xff\xfe", r"is not UTF-8: byte 0xff at offset 15"),
+])
+def test_bad_corpus_is_refused_before_training(tmp_path, content, message):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(content)
+    cfg = T.TrainConfig.preset("tiny", text=str(path), run_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match=message):
+        T.train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_val_loss_per_char_uses_the_bpe_token_length(corpus, tmp_path):
+    cfg = T.TrainConfig.preset("tiny", text=str(corpus), tokenizer="bpe", bpe_vocab_size=300,
+                               run_dir=str(tmp_path / "bpe"))
+    config, tokenizer, batches = T.prepare_run(cfg)
+    assert config.vocab_size == tokenizer.vocab_size == 300
+    ratio = len(tokenizer.decode(batches.val)) / len(batches.val)
+    assert ratio > 1.5  # words merge into multi-character tokens
+    params = init_params(config, jax.random.key(0))
+    mesh = T.sharding.make_mesh(1)
+    evals = T.evaluate(params, config, dataclasses.replace(cfg, block_size=32), batches, mesh)
+    assert math.isclose(evals["val_loss_per_char"], evals["val_loss"] / ratio, rel_tol=1e-9)
