@@ -141,12 +141,12 @@ def naive_step_seconds(params, config, batch, new_tokens) -> float:
     """One step of `naive_generate` at the capacity it uses for `new_tokens`: its cost is
     the same every step (a full forward over the padded sequence buffer)."""
     capacity = min(config.max_seq_len, PROMPT_LEN + new_tokens)
-    prefill_fn, step_fn = naive_model(params, config, capacity, jnp.float32)
     tokens = jnp.asarray(random_prompts(config, batch), jnp.int32)
     lengths = jnp.full((batch,), PROMPT_LEN, jnp.int32)
-    _, seqs = jax.jit(prefill_fn)(tokens, lengths)
-    step = jax.jit(step_fn)
-    return timed(lambda: step(tokens[:, 0], seqs, jnp.ones((batch,), bool)), repeats=2)
+    model = lambda params: naive_model(params, config, capacity, jnp.float32)  # noqa: E731
+    _, seqs = jax.jit(lambda p: model(p)[0](tokens, lengths))(params)
+    step = jax.jit(lambda p, s: model(p)[1](tokens[:, 0], s, jnp.ones((batch,), bool)))
+    return timed(lambda: step(params, seqs), repeats=2)
 
 
 def throughput(args) -> None:
@@ -193,7 +193,7 @@ def throughput(args) -> None:
                       f"{args.new_tokens[0]} new)")
         ax.legend()
 
-    save("throughput", rows, plot, {"threads": args.threads})
+    save("throughput" + args.tag, rows, plot, {"threads": args.threads})
 
 
 # ----------------------------------------------------------------- 3: decode vs live length
@@ -202,11 +202,11 @@ def throughput(args) -> None:
 def decode_step_seconds(params, config, batch, capacity, live, steps=8) -> float:
     """Wall time of one cached decode step with every row at `live` tokens, measured over a
     compiled scan of `steps` steps that do not advance (so the live length stays fixed)."""
-    _, step_fn = cached_model(params, config, capacity, jnp.float32)
     shape = (batch, config.n_layers, capacity, config.kv_heads, config.head_dim)
 
     @jax.jit
-    def run(cache):
+    def run(params, cache):  # params as an argument: closed over, XLA would fold 500 MB
+        _, step_fn = cached_model(params, config, capacity, jnp.float32)
         tokens = jnp.zeros((batch,), jnp.int32)
         hold = jnp.zeros((batch,), bool)
         body = lambda c, _: (step_fn(tokens, c, hold)[1], None)  # noqa: E731
@@ -215,7 +215,7 @@ def decode_step_seconds(params, config, batch, capacity, live, steps=8) -> float
     cache = LoopCache(k=jnp.zeros(shape), v=jnp.zeros(shape),
                       lengths=jnp.full((batch,), live, jnp.int32),
                       overflow=jnp.zeros((batch,), bool))
-    return timed(lambda: run(cache), repeats=2) / steps
+    return timed(lambda: run(params, cache), repeats=2) / steps
 
 
 def live_length(args) -> None:
@@ -282,9 +282,11 @@ def roofline(args) -> None:
 
 def prefill_peak_bytes(params, config, length: int) -> int:
     """Temporary memory XLA allocates for a batch-1 prefill of `length` tokens."""
-    prefill_fn, _ = cached_model(params, config, length, jnp.float32)
-    compiled = jax.jit(prefill_fn).lower(jnp.zeros((1, length), jnp.int32),
-                                         jnp.full((1,), length, jnp.int32)).compile()
+    def prefill(params, tokens_BT, lengths_B):
+        return cached_model(params, config, length, jnp.float32)[0](tokens_BT, lengths_B)
+
+    compiled = jax.jit(prefill).lower(params, jnp.zeros((1, length), jnp.int32),
+                                      jnp.full((1,), length, jnp.int32)).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -358,6 +360,7 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", nargs="+", type=int, default=[128, 512])
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
+    p.add_argument("--tag", default="", help="suffix of the result file names")
     p = sub.add_parser("live-length")
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])

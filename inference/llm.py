@@ -88,17 +88,40 @@ class LLM:
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
         return cls(params, config, tokenizer)
 
-    def generate(self, prompts: list[str], sampling=None) -> list[TextCompletion]:
+    def generate(self, prompts: list[str], sampling=None, *, max_batch_size: int = 32,
+                 progress: bool = True) -> list[TextCompletion]:
         """Generate for each text prompt: one TextCompletion per prompt and sample, in order.
+
+        Any number of prompts: they are grouped by token length into batches of at most
+        `max_batch_size` prompts (similar lengths pad little and reuse compiled programs),
+        run batch by batch behind a tqdm progress bar, and returned in input order.
 
         Args:
           sampling: one SamplingParams for all prompts or one per prompt.
+          max_batch_size: most prompts per batch, >= 1.
+          progress: show the progress bar (stderr).
         Raises:
-          ValueError: a prompt character outside the tokenizer's vocabulary, or any invalid
-            request (see `inference.engine.validate`), before anything runs.
+          ValueError: `max_batch_size` < 1, a prompt character outside the tokenizer's
+            vocabulary, or any invalid request (see `inference.engine.validate`), before
+            anything runs.
         """
-        done = {d.index: d.completion for d in self.stream(prompts, sampling) if d.completion}
-        return [done[i] for i in range(len(done))]
+        from tqdm import tqdm
+
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        token_prompts = [self.tokenizer.encode(p) for p in prompts]
+        _, per_prompt = engine.validate(self.config, token_prompts, sampling)
+        results: list[list[TextCompletion]] = [[] for _ in prompts]
+        groups = engine.length_groups([len(t) for t in token_prompts], max_batch_size)
+        for group in tqdm(groups, disable=not progress, unit="batch", desc="generate"):
+            group_sampling = [per_prompt[i] for i in group]
+            deltas = self.stream([prompts[i] for i in group], group_sampling)
+            done = {d.index: d.completion for d in deltas if d.completion}
+            first = 0  # a prompt's n samples are consecutive completions
+            for i, sp in zip(group, group_sampling):
+                results[i] = [done[first + k] for k in range(sp.n)]
+                first += sp.n
+        return [c for per in results for c in per]
 
     def stream(self, prompts: list[str], sampling=None) -> Iterator[Delta]:
         """Yield text deltas per completion as compiled chunks of decode steps finish; the
