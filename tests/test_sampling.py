@@ -367,13 +367,13 @@ def test_penalties_ignore_padding_and_match_solo_runs(config, params):
 def test_logprobs_are_the_models_raw_log_probabilities(config, params):
     prompt = [7, 8, 9]
     (out,) = generate(params, config, [prompt], SamplingParams(
-        temperature=1.0, top_k=5, max_new_tokens=6, seed=1, logprobs=3))
+        temperature=1.0, top_k=5, max_new_tokens=24, seed=1, logprobs=3))
     logits = forward(params, jnp.asarray([prompt + out.tokens]), config)[0, len(prompt) - 1:-1]
     expected = np.asarray(jax.nn.log_softmax(logits, -1))
-    assert_close(out.logprobs, expected[np.arange(6), out.tokens], 1e-5, "token logprobs")
+    assert_close(out.logprobs, expected[np.arange(24), out.tokens], 1e-5, "token logprobs")
     for step, top in enumerate(out.top_logprobs):
         best = np.argsort(-expected[step])[:3]
         assert list(top) == best.tolist()
         assert_close(list(top.values()), expected[step, best], 1e-5, "top logprobs")
-    (plain,) = generate(params, config, [prompt], SamplingParams(max_new_tokens=6, seed=1))
+    (plain,) = generate(params, config, [prompt], SamplingParams(max_new_tokens=24, seed=1))
     assert plain.logprobs is None and plain.top_logprobs is None
