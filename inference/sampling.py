@@ -20,10 +20,11 @@ on what the model said, not on a distribution already cut down (a penalized toke
 out of the top-k, which is the point). Greedy reads the penalized logits, so temperature 0
 is exactly the limit of temperature -> 0. Temperature before the filters, because top-p and
 min-p are statements about the distribution actually sampled from ("the smallest set
-holding 90% of what we draw from"); top-k is the same either way. Top-k before top-p keeps
-top-p's sort short in the common case and matches what users of other engines expect; min-p
-last because it is relative to the top token, which every filter keeps, so it commutes with
-the others.
+holding 90% of what we draw from"); top-k is the same either way. Top-k before top-p, so
+top-p measures mass among the k candidates (the Hugging Face and vLLM convention, which
+users carry over). Min-p last: its threshold is a ratio to the top token, which every filter
+keeps, so renormalizing after top-k and top-p leaves it unchanged (it is computed on the
+same probabilities as top-p).
 
 The three filters each keep a prefix of the tokens sorted by logit, so they share one stable
 descending sort per row (ties are broken by token id); the kept set is scattered back to
