@@ -79,7 +79,7 @@ PRESETS: dict[str, GPTConfig] = {
     # Character-level Shakespeare, sized to train well within 8 minutes on 2 CPU cores.
     # vocab_size is replaced by the tokenizer's when training.
     # nanoGPT's CPU width with twice its context: on 2 cores a wider model sees too few
-    # tokens in 450 s to catch up (training/README.md has the measurements).
+    # tokens in 450 s to catch up (training/README.md, "Measured").
     "shakespeare-char": GPTConfig(
         vocab_size=96, max_seq_len=128, n_layers=4, n_heads=4, d_model=128
     ),

@@ -262,3 +262,19 @@ def test_val_loss_per_char_uses_the_bpe_token_length(corpus, tmp_path):
     mesh = T.sharding.make_mesh(1)
     evals = T.evaluate(params, config, dataclasses.replace(cfg, block_size=32), batches, mesh)
     assert math.isclose(evals["val_loss_per_char"], evals["val_loss"] / ratio, rel_tol=1e-9)
+
+
+def test_bpe_run_generates_text_through_its_saved_tokenizer(corpus, tmp_path):
+    from gpt_jax.tokenizer import BPETokenizer
+    from inference import SamplingParams
+    from inference.llm import LLM
+
+    cfg = T.TrainConfig.preset("tiny", text=str(corpus), tokenizer="bpe", bpe_vocab_size=300,
+                               run_dir=str(tmp_path / "bpe"), max_steps=2, eval_interval=2)
+    T.train(cfg)
+    llm = LLM.from_checkpoint(cfg.run_dir)
+    assert isinstance(llm.tokenizer, BPETokenizer) and llm.config.vocab_size == 300
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+    out = llm.generate(["The king speaks ✓"], sampling, progress=False)[0]
+    assert len(out.tokens) == 8
+    assert out.text == llm.tokenizer.decode(out.tokens)
