@@ -8,6 +8,7 @@ Usage (also `gpt-jax bench NAME [flags]`; every run writes benchmarks/results/NA
   python benchmarks/speed.py roofline              # bandwidth, bytes per step, bound vs step
   python benchmarks/speed.py ttft                  # time to first token, prompts 16..1024
   python benchmarks/speed.py compiles              # 100 requests, prompt lengths 1..512
+  python benchmarks/speed.py offline               # 256 prompts via LLM.generate, grouped
 
 Weights are random (no downloads), float32. Ours and `transformers` run in the same process
 on identical weights (saved by transformers, imported with `gpt_jax.load_hf_gpt2`), one after
@@ -333,7 +334,7 @@ def compiles(args) -> None:
     start = time.perf_counter()
     for i in range(args.requests):
         length = int(rng.integers(1, 513))
-        new = int(rng.integers(1, args.max_new_tokens + 1))
+        new = args.max_new_tokens
         prompt = rng.integers(0, config.vocab_size, length).tolist()
         generate(params, config, [prompt], SamplingParams(temperature=0.0, max_new_tokens=new))
         rows.append({"request": i + 1, "prompt": length, "new_tokens": new,
@@ -349,6 +350,43 @@ def compiles(args) -> None:
 
     save("compiles", rows[-1:] if not args.all_rows else rows, plot,
          {"preset": args.preset, "per_request": rows})
+
+
+# --------------------------------------------------------------------- 7: offline batches
+
+
+def offline(args) -> None:
+    from gpt_jax import CharTokenizer
+    from inference.llm import LLM
+
+    config = preset(args.preset)
+    chars = [chr(32 + i) for i in range(config.vocab_size)]
+    llm = LLM(init_params(config, jax.random.key(0)), config, CharTokenizer(chars))
+    rng = np.random.default_rng(0)
+    prompts = ["".join(rng.choice(chars, int(n))) for n in rng.integers(1, args.max_len + 1,
+                                                                         args.prompts)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+    chunks = [prompts[i: i + args.batch] for i in range(0, len(prompts), args.batch)]
+    runs = {
+        "arrival order": lambda: [c for chunk in chunks for c in llm.generate(
+            chunk, sp, max_batch_size=args.batch, progress=False)],
+        "grouped by length": lambda: llm.generate(prompts, sp, max_batch_size=args.batch),
+    }
+    rows = []
+    for name, run in runs.items():
+        run()  # compile every bucket first
+        start = time.perf_counter()
+        out = run()
+        seconds = time.perf_counter() - start
+        rows.append({"order": name, "prompts": len(prompts), "batch": args.batch,
+                     "seconds": seconds, "tok_per_s": sum(len(c.tokens) for c in out) / seconds})
+    rows[1]["x_arrival"] = rows[1]["tok_per_s"] / rows[0]["tok_per_s"]
+
+    def plot(ax, rows):
+        ax.bar([r["order"] for r in rows], [r["tok_per_s"] for r in rows])
+        ax.set_ylabel(f"generated tokens/s ({args.prompts} prompts, LLM.generate)")
+
+    save("offline", rows, plot, {"preset": args.preset, "new_tokens": args.new_tokens})
 
 
 def main(argv=None) -> None:
@@ -376,11 +414,17 @@ def main(argv=None) -> None:
     p = sub.add_parser("compiles")
     p.add_argument("--preset", default="shakespeare-char")
     p.add_argument("--requests", type=int, default=100)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="every request's")
     p.add_argument("--all-rows", action="store_true", help="print every request")
+    p = sub.add_parser("offline")
+    p.add_argument("--preset", default="shakespeare-char")
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     {"throughput": throughput, "live-length": live_length, "roofline": roofline,
-     "ttft": ttft, "compiles": compiles}[args.name](args)
+     "ttft": ttft, "compiles": compiles, "offline": offline}[args.name](args)
 
 
 if __name__ == "__main__":
