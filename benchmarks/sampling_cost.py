@@ -14,6 +14,7 @@ the median is reported. Prints a table and writes benchmarks/results/sampling_co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -26,21 +27,31 @@ from gpt_jax import GPTConfig, init_params
 from inference import SamplingParams, generate
 
 
-def configurations(max_new_tokens: int, vocab_size: int, batch: int) -> dict:
-    """name -> one SamplingParams for the whole batch, or one per row."""
+def configurations(params, config, prompts, max_new_tokens: int) -> dict:
+    """name -> one SamplingParams for the whole batch, or one per row.
+
+    "all options on" also checks an EOS id and a token stop sequence every step; they are
+    picked from tokens its seeded run never produces (found by a pilot run without them,
+    which draws the same tokens), so every configuration generates the same token count.
+    """
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    everything = SamplingParams(
+    no_stops = SamplingParams(
         temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
         presence_penalty=0.1, frequency_penalty=0.1, seed=1, logprobs=5,
-        max_new_tokens=max_new_tokens, stop_token_ids=[vocab_size - 1],
-        stop_sequences=[[vocab_size - 2, vocab_size - 3]],
+        max_new_tokens=max_new_tokens,
     )
-    half = batch // 2
+    produced = {t for o in generate(params, config, prompts, no_stops) for t in o.tokens}
+    unused = sorted(set(range(config.vocab_size)) - produced)
+    if len(unused) < 2:
+        raise SystemExit("every token id occurs in the pilot run: lower --max-new-tokens")
+    everything = dataclasses.replace(no_stops, stop_token_ids=[unused[0]],
+                                     stop_sequences=[[unused[1], unused[0]]])
+    half = len(prompts) // 2
     return {
         "greedy only": greedy,
         "temperature only": SamplingParams(temperature=0.8, seed=1, max_new_tokens=max_new_tokens),
         "all options on": everything,
-        "half greedy, half all on": [greedy] * half + [everything] * (batch - half),
+        "half greedy, half all on": [greedy] * half + [everything] * (len(prompts) - half),
     }
 
 
@@ -65,7 +76,7 @@ def main(argv=None):
                           init_params(config, jax.random.key(0)))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
-    runs = configurations(args.max_new_tokens, config.vocab_size, args.batch)
+    runs = configurations(params, config, prompts, args.max_new_tokens)
     for sampling in runs.values():  # compile each (different logprobs / stop shapes)
         timed(params, config, prompts, sampling)
     seconds = {name: [] for name in runs}
