@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from gpt_jax import checkpoint
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import forward
+from gpt_jax.model import forward, unstack_layers
 from gpt_jax.params import init_params, param_count
 from gpt_jax.tokenizer import BPETokenizer, CharTokenizer
 from training import data, report, sharding
@@ -171,8 +171,13 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 def loss_fn(params, config: GPTConfig, x_BT, y_BT, compute_dtype=jnp.float32):
     """Mean next-token cross-entropy in nats per token. With a bfloat16 `compute_dtype` the
     float32 master params are cast for the forward pass (their gradients come back float32);
-    logits, LayerNorm and softmax stay float32 inside the model."""
-    params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+    logits, LayerNorm and softmax stay float32 inside the model.
+
+    The layers run unrolled (`unstack_layers`): the train step measured ~14% faster than with
+    the `lax.scan` over stacked layers (nanogpt-cpu shape, 10 paired rounds on 2 cores), for
+    a few seconds more compilation. Gradients flow back to the stacked params.
+    """
+    params = unstack_layers(jax.tree.map(lambda p: p.astype(compute_dtype), params))
     logits_BTV = forward(params, x_BT, config)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, y_BT).mean()
 
