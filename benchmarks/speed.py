@@ -403,7 +403,7 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", nargs="+", type=int, default=[128, 512])
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
-    p.add_argument("--tag", default="", help="suffix of the result file names")
+    p.add_argument("--tag", default="", help="suffix of the result file names (--tag=-x)")
     p = sub.add_parser("live-length")
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
