@@ -5,9 +5,9 @@ from gpt_jax.config import GPTConfig
 from gpt_jax.hf import load_hf_gpt2, save_hf_gpt2
 from gpt_jax.model import forward
 from gpt_jax.params import init_params, param_count
-from gpt_jax.tokenizer import CharTokenizer
+from gpt_jax.tokenizer import BPETokenizer, CharTokenizer
 
 __all__ = [
-    "CharTokenizer", "GPTConfig", "KVCache", "cache_bytes", "forward", "init_cache",
+    "BPETokenizer", "CharTokenizer", "GPTConfig", "KVCache", "cache_bytes", "forward", "init_cache",
     "init_params", "load_hf_gpt2", "param_count", "save_hf_gpt2",
 ]
