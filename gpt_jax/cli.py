@@ -72,7 +72,7 @@ def demo_main(argv):
     from inference.cli import main as generate_main
 
     generate_main(["--run-dir", str(run_dir), "--max-new-tokens", str(args.max_new_tokens),
-                   "--seed", "0", "--report"] + [a for p in DEMO_PROMPTS for a in ("--prompt", p)])
+                   "--report"] + [a for p in DEMO_PROMPTS for a in ("--prompt", p)])
     phases["generate"] = time.perf_counter() - tick
     print("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
 
