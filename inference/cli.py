@@ -191,9 +191,12 @@ def main(argv=None):
     prompts = [p.replace("\\n", "\n") for p in (args.prompt or ["\n"])]
     try:
         sampling = sampling_from_args(args)
-    except ValueError as error:
+        llm = load_llm(args)
+        # Check every request before printing anything, so a bad one is a one-line error.
+        if not args.prompt_ids:
+            validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling)
+    except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"gpt-jax generate: {error}") from None
-    llm = load_llm(args)
     if args.prompt_ids:
         return print_token_ids(llm, args.prompt_ids, sampling)
     if args.json:
