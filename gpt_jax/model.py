@@ -10,10 +10,12 @@ Shape alphabet, used in einsum strings and variable suffixes everywhere in this 
   B batch, T query length, S cache/key length, D d_model, N query heads, K kv heads,
   G query heads per kv head (N = K * G), H head dim, F MLP hidden width, V vocab, L layers.
 
-One code path serves training and inference: `transformer` runs T new tokens of one sequence
-against that sequence's KV cache, writing their keys and values at the row's current length.
-`forward` runs a whole batch from an empty cache; `inference.engine` vmaps prefill and decode
-over padded batches. Definitions go from leaves to root.
+Two paths share every layer function except the attention core: `transformer` runs T new
+tokens of one sequence against that sequence's KV cache (blockwise attention that reads only
+the live cache), writing their keys and values at the row's current length; `inference.engine`
+vmaps it as prefill and decode over padded batches. `forward` runs whole sequences with no
+cache and a plain masked attention: the training path, and the reference the cached path is
+tested against. Definitions go from leaves to root.
 """
 
 from __future__ import annotations
@@ -51,12 +53,43 @@ def layer_norm(p: Params, x_TD: jax.Array, eps: float) -> jax.Array:
     return (y * _lead(p["scale"], y) + _lead(p["bias"], y)).astype(x_TD.dtype)
 
 
+@jax.custom_vjp
+def _matmul(x_MI: jax.Array, w_IO: jax.Array) -> jax.Array:
+    return x_MI @ w_IO
+
+
+def _matmul_fwd(x_MI, w_IO):
+    # Keep the input transposed for the weight gradient, so that product reads both operands
+    # in the layout the CPU matmul kernels take. Left to autodiff, XLA:CPU transposes the
+    # incoming gradient instead, and fuses the whole residual-stream gradient chain (every
+    # later layer's LayerNorm backward) into each such transpose: measured 122 -> 93 ms per
+    # nanogpt-cpu forward+backward on 2 cores.
+    return x_MI @ w_IO, (x_MI.T, w_IO)
+
+
+def _matmul_bwd(residuals, g_MO):
+    xt_IM, w_IO = residuals
+    return g_MO @ w_IO.T, xt_IM @ g_MO
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def linear(x: jax.Array, w_IO: jax.Array, b_O: jax.Array) -> jax.Array:
+    """`x @ w + b` over the last axis of `x` (`[..., I]` -> `[..., O]`), as one 2-D matmul.
+
+    Its gradient is exactly autodiff's (dx = g w^T, dw = x^T g, db = sum g); only the layout of
+    the backward matmuls is chosen by hand (see `_matmul_fwd`).
+    """
+    lead = x.shape[:-1]
+    out = _matmul(x.reshape(-1, x.shape[-1]), w_IO) + b_O[None]
+    return out.reshape(*lead, w_IO.shape[-1])
+
+
 def mlp(p: Params, x_TD: jax.Array) -> jax.Array:
     """GPT-2 MLP: D -> F, GELU (tanh approximation), F -> D."""
-    h_TF = x_TD @ p["w_in"]
-    h_TF = jax.nn.gelu(h_TF + _lead(p["b_in"], h_TF), approximate=True)
-    out_TD = h_TF @ p["w_out"]
-    return out_TD + _lead(p["b_out"], out_TD)
+    h_TF = jax.nn.gelu(linear(x_TD, p["w_in"], p["b_in"]), approximate=True)
+    return linear(h_TF, p["w_out"], p["b_out"])
 
 
 def attend(q_TNH: jax.Array, k_SKH: jax.Array, v_SKH: jax.Array, mask_TS: jax.Array) -> jax.Array:
@@ -182,10 +215,18 @@ def attend_cached(q_TNH, k_TKH, v_TKH, k_LSKH, v_LSKH, layer, length, bound):
 
 
 def _project_heads(x_TD, w_DNH, b_NH):
-    """x @ w + b as one [T, D] @ [D, N*H] matmul, reshaped to heads `[T, N, H]`."""
+    """x @ w + b as one [..., D] @ [D, N*H] matmul, reshaped to heads `[..., N, H]`."""
     D, N, H = w_DNH.shape
-    out = x_TD @ w_DNH.reshape(D, N * H) + b_NH.reshape(1, N * H)
-    return out.reshape(x_TD.shape[0], N, H)
+    out = linear(x_TD, w_DNH.reshape(D, N * H), b_NH.reshape(N * H))
+    return out.reshape(*x_TD.shape[:-1], N, H)
+
+
+def _merge_heads(p: Params, out_TNH: jax.Array) -> jax.Array:
+    """The output projection: `[..., N, H]` -> `[..., D]` as one [N*H, D] matmul (so XLA never
+    transposes w_o to match the output)."""
+    N, H, D = p["w_o"].shape
+    return linear(out_TNH.reshape(*out_TNH.shape[:-2], N * H), p["w_o"].reshape(N * H, D),
+                  p["b_o"])
 
 
 def attention(p: Params, x_TD: jax.Array, k_LSKH, v_LSKH, layer, length, bound):
@@ -198,11 +239,7 @@ def attention(p: Params, x_TD: jax.Array, k_LSKH, v_LSKH, layer, length, bound):
     k_TKH = _project_heads(x_TD, p["w_k"], p["b_k"]).astype(k_LSKH.dtype)
     v_TKH = _project_heads(x_TD, p["w_v"], p["b_v"]).astype(v_LSKH.dtype)
     out_TNH = attend_cached(q_TNH, k_TKH, v_TKH, k_LSKH, v_LSKH, layer, length, bound)
-    # [T, N*H] @ [N*H, D]: a plain matmul, so XLA never transposes w_o to match the output.
-    T, N, H = out_TNH.shape
-    w_o = p["w_o"].reshape(N * H, -1)
-    out_TD = out_TNH.reshape(T, N * H).astype(x_TD.dtype) @ w_o + p["b_o"][None]
-    return out_TD, (k_TKH, v_TKH)
+    return _merge_heads(p, out_TNH.astype(x_TD.dtype)), (k_TKH, v_TKH)
 
 
 def block(p: Params, x_TD, k_LSKH, v_LSKH, layer, length, bound, config: GPTConfig):
@@ -293,9 +330,25 @@ def lm_head(params: Params, x_TD: jax.Array, config: GPTConfig) -> jax.Array:
     return jnp.einsum("...D,VD->...V", h, params["wte"], preferred_element_type=jnp.float32)
 
 
+def causal_self_attention(p: Params, x_BTD: jax.Array) -> jax.Array:
+    """Causal self-attention over whole sequences, no cache: `[B, T, D]` -> `[B, T, D]`.
+
+    Forms the `[T, T]` score matrix per head (`attend`), which at training lengths is cheaper
+    than the blockwise loop of `attend_cached` and differentiates as one program.
+    """
+    q_BTNH = _project_heads(x_BTD, p["w_q"], p["b_q"])
+    k_BTKH = _project_heads(x_BTD, p["w_k"], p["b_k"])
+    v_BTKH = _project_heads(x_BTD, p["w_v"], p["b_v"])
+    T = x_BTD.shape[1]
+    causal_TS = jnp.tril(jnp.ones((T, T), bool))
+    out_BTNH = jax.vmap(attend, in_axes=(0, 0, 0, None))(q_BTNH, k_BTKH, v_BTKH, causal_TS)
+    return _merge_heads(p, out_BTNH)
+
+
 @functools.partial(jax.jit, static_argnames="config")
 def forward(params: Params, tokens_BT: jax.Array, config: GPTConfig) -> jax.Array:
-    """Full causal forward pass, no cache kept: the training path and the reference.
+    """Full causal forward pass, no cache kept: the training path and the reference that the
+    cached path (`transformer`) is tested against.
 
     Args:
       tokens_BT: int32 token ids, T <= config.max_seq_len.
@@ -309,7 +362,16 @@ def forward(params: Params, tokens_BT: jax.Array, config: GPTConfig) -> jax.Arra
         raise ValueError(
             f"sequence length {T} exceeds config.max_seq_len={config.max_seq_len}"
         )
-    cache = kv.init_cache(config, B, T, dtype=params["wte"].dtype)
-    run_row = functools.partial(transformer, config=config, bound=0)  # empty cache: read none
-    x_BTD, _ = jax.vmap(run_row, in_axes=(None, 0, kv.CACHE_BATCH_AXES))(params, tokens_BT, cache)
+    eps = config.layer_norm_eps
+    x_BTD = params["wte"][tokens_BT] + params["wpe"][:T][None]
+
+    def block_full(x_BTD, p):
+        x_BTD = x_BTD + causal_self_attention(p["attn"], layer_norm(p["ln1"], x_BTD, eps))
+        return x_BTD + mlp(p["mlp"], layer_norm(p["ln2"], x_BTD, eps)), None
+
+    if isinstance(params["blocks"], tuple):  # unstacked (see unstack_layers): unrolled
+        for p in params["blocks"]:
+            x_BTD, _ = block_full(x_BTD, p)
+    else:
+        x_BTD, _ = jax.lax.scan(block_full, x_BTD, params["blocks"])
     return lm_head(params, x_BTD, config)

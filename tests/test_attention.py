@@ -1,13 +1,16 @@
 """Live-length (blockwise, online-softmax) attention equals full attention, and never reads
 cache blocks past the live length."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import assert_close
-from gpt_jax import GPTConfig, forward, init_params, model
+from gpt_jax import GPTConfig, forward, init_cache, init_params, model
+from gpt_jax.cache import CACHE_BATCH_AXES
 from gpt_jax.model import attend, attend_cached
 
 L, S, N, H = 2, 21, 4, 8  # S is not a multiple of the block: the last block is shifted back
@@ -77,16 +80,45 @@ def test_long_prefill_is_blockwise_and_equals_full_attention(monkeypatch):
     assert_close(got, attend(q, k_new, v_new, jnp.asarray(mask)), 2e-5, "blockwise prefill")
 
 
-def test_forward_gradient_flows_through_blockwise_attention(monkeypatch):
-    """Training differentiates `forward`, whose attention runs in several key blocks."""
+def test_forward_gradients_equal_blockwise_path_gradients(monkeypatch):
+    """Training differentiates `forward` (plain masked attention); the cached path runs the same
+    math in several key blocks with an online softmax. Their gradients agree, so either could
+    train the model."""
     monkeypatch.setattr(model, "ATTENTION_BLOCK", 4)
-    config = GPTConfig(vocab_size=16, max_seq_len=16, n_layers=1, n_heads=2, d_model=16)
+    config = GPTConfig(vocab_size=16, max_seq_len=16, n_layers=2, n_heads=4, n_kv_heads=2,
+                       d_model=16)
     params = init_params(config, jax.random.key(0))
-    tokens = jnp.arange(10)[None] % 16
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, (1, 10)), jnp.int32)
 
-    def loss(p):
-        return forward(p, tokens, config)[0, -1].sum()
+    def loss_forward(p):
+        return (forward(p, tokens, config) ** 2).mean()
 
-    grads = jax.jit(jax.grad(loss))(params)
-    w_k = np.asarray(grads["blocks"]["attn"]["w_k"])
-    assert np.isfinite(w_k).all() and np.abs(w_k).max() > 0
+    def loss_blockwise(p):
+        run_row = functools.partial(model.transformer, config=config, bound=0)
+        x_BTD, _ = jax.vmap(run_row, in_axes=(None, 0, CACHE_BATCH_AXES))(
+            p, tokens, init_cache(config, 1, 16))
+        return (model.lm_head(p, x_BTD, config) ** 2).mean()
+
+    got = jax.jit(jax.grad(loss_forward))(params)
+    want = jax.jit(jax.grad(loss_blockwise))(params)
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        w = dict(jax.tree_util.tree_leaves_with_path(want))[path]
+        assert_close(g, w, 1e-6 + 1e-4 * float(np.abs(w).max()), jax.tree_util.keystr(path))
+    assert np.abs(np.asarray(got["blocks"]["attn"]["w_k"])).max() > 0
+
+
+def test_linear_gradient_equals_autodiff():
+    """`linear` chooses its backward matmul layouts by hand; the values are autodiff's."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(3, 5, 7)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(7, 4)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(3, 5, 4)), jnp.float32)
+
+    def loss(f):
+        return lambda x, w, b: (jnp.tanh(f(x, w, b)) * probe).sum()
+
+    got = jax.grad(loss(model.linear), argnums=(0, 1, 2))(x, w, b)
+    want = jax.grad(loss(lambda x, w, b: x @ w + b[None, None]), argnums=(0, 1, 2))(x, w, b)
+    for name, g, e in zip("xwb", got, want):
+        assert_close(g, e, 1e-5, f"d loss / d {name}")
