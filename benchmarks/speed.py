@@ -10,7 +10,8 @@ Usage (also `gpt-jax bench NAME [flags]`; every run writes benchmarks/results/NA
   python benchmarks/speed.py compiles              # 100 requests, prompt lengths 1..512
   python benchmarks/speed.py offline               # 256 prompts via LLM.generate, grouped
 
-Weights are random (no downloads), float32. Ours and `transformers` run in the same process
+Weights are random (no downloads), float32 (`roofline` and `throughput --bf16` add the
+bfloat16 weights-and-cache mode). Ours and `transformers` run in the same process
 on identical weights (saved by transformers, imported with `gpt_jax.load_hf_gpt2`), one after
 the other, so a busy machine slows both alike: compare the ratios, not the absolute figures.
 Compilation is never timed (each program runs once before it is timed).
@@ -160,6 +161,7 @@ def throughput(args) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             model, params = hf_model(config, tmp) if args.hf else (None, init_params(
                 config, jax.random.key(0)))
+        params_bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
         for new in args.new_tokens:
             step = naive_step_seconds(params, config, 1, new)
             rows.append({"preset": name, "engine": "naive", "batch": 1, "new_tokens": new,
@@ -170,6 +172,12 @@ def throughput(args) -> None:
                 ours = timed(lambda: generate(params, config, prompts, sp))  # noqa: B023
                 row = {"preset": name, "engine": "gpt-jax", "batch": batch, "new_tokens": new,
                        "tok_per_s": batch * new / ours, "ms_per_step": 1e3 * ours / new}
+                if args.bf16:
+                    half = timed(lambda: generate(params_bf16, config, prompts, sp,  # noqa: B023
+                                                  cache_dtype=jnp.bfloat16))
+                    rows.append({"preset": name, "engine": "gpt-jax bf16", "batch": batch,
+                                 "new_tokens": new, "tok_per_s": batch * new / half,
+                                 "ms_per_step": 1e3 * half / new, "x_float32": ours / half})
                 if model is not None:
                     theirs = hf_generate_seconds(model, prompts, new)
                     rows.append({"preset": name, "engine": "transformers", "batch": batch,
@@ -181,7 +189,7 @@ def throughput(args) -> None:
                 rows.append(row)
 
     def plot(ax, rows):
-        for engine in ("naive", "gpt-jax", "transformers"):
+        for engine in ("naive", "gpt-jax", "gpt-jax bf16", "transformers"):
             sel = [r for r in rows if r["engine"] == engine and r["preset"] == args.presets[0]
                    and r["new_tokens"] == args.new_tokens[0]]
             if sel:
@@ -202,18 +210,20 @@ def throughput(args) -> None:
 
 def decode_runner(params, config, batch, capacity, live, steps=8):
     """A zero-argument function running `steps` cached decode steps with every row at `live`
-    tokens; the steps do not advance, so the live length stays fixed."""
+    tokens; the steps do not advance, so the live length stays fixed. The cache takes the
+    dtype of the params."""
     shape = (batch, config.n_layers, capacity, config.kv_heads, config.head_dim)
+    dtype = params["wte"].dtype
 
     @jax.jit
     def run(params, cache):  # params as an argument: closed over, XLA would fold 500 MB
-        _, step_fn = cached_model(params, config, capacity, jnp.float32)
+        _, step_fn = cached_model(params, config, capacity, dtype)
         tokens = jnp.zeros((batch,), jnp.int32)
         hold = jnp.zeros((batch,), bool)
         body = lambda c, _: (step_fn(tokens, c, hold)[1], None)  # noqa: E731
         return jax.lax.scan(body, cache, None, length=steps)[0]
 
-    cache = LoopCache(k=jnp.zeros(shape), v=jnp.zeros(shape),
+    cache = LoopCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                       lengths=jnp.full((batch,), live, jnp.int32),
                       overflow=jnp.zeros((batch,), bool))
     return lambda: run(params, cache)
@@ -262,20 +272,28 @@ def roofline(args) -> None:
     config = preset(args.preset)
     params = init_params(config, jax.random.key(0))
     bandwidth = bandwidth_gbs()
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     rows = []
-    for batch in args.batches:
-        kv_bytes = 2 * config.n_layers * batch * args.live * config.kv_heads * config.head_dim * 4
-        bound = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
-        step = decode_step_seconds(params, config, batch, PROMPT_LEN + 128, args.live)
-        rows.append({"batch": batch, "live": args.live, "bandwidth_GBs": bandwidth,
-                     "weights_MB": weight_bytes / 1e6, "kv_MB": kv_bytes / 1e6,
-                     "bound_ms": 1e3 * bound, "step_ms": 1e3 * step, "x_bound": step / bound})
+    for dtype in args.dtypes:
+        cast = jax.tree.map(lambda a: a.astype(dtype), params)  # noqa: B023
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(cast))
+        itemsize = jnp.dtype(dtype).itemsize
+        for batch in args.batches:
+            kv_bytes = (2 * config.n_layers * batch * args.live * config.kv_heads
+                        * config.head_dim * itemsize)
+            bound = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
+            step = decode_step_seconds(cast, config, batch, PROMPT_LEN + 128, args.live)
+            rows.append({"dtype": dtype, "batch": batch, "live": args.live,
+                         "bandwidth_GBs": bandwidth, "weights_MB": weight_bytes / 1e6,
+                         "kv_MB": kv_bytes / 1e6, "bound_ms": 1e3 * bound,
+                         "step_ms": 1e3 * step, "x_bound": step / bound})
 
     def plot(ax, rows):
-        ax.plot([r["batch"] for r in rows], [r["bound_ms"] for r in rows], "o--",
-                label="memory bound")
-        ax.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], "o-", label="measured")
+        for dtype in args.dtypes:
+            sel = [r for r in rows if r["dtype"] == dtype]
+            ax.plot([r["batch"] for r in sel], [r["bound_ms"] for r in sel], "o--",
+                    label=f"memory bound, {dtype}")
+            ax.plot([r["batch"] for r in sel], [r["step_ms"] for r in sel], "o-",
+                    label=f"measured, {dtype}")
         ax.set_xlabel("batch size")
         ax.set_ylabel(f"decode step (ms), live {args.live}")
         ax.legend()
@@ -404,6 +422,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     p.add_argument("--tag", default="", help="suffix of the result file names (--tag=-x)")
+    p.add_argument("--bf16", action="store_true", help="also time ours with bfloat16 weights "
+                   "and KV cache")
     p = sub.add_parser("live-length")
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
@@ -413,6 +433,8 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--live", type=int, default=PROMPT_LEN + 64)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16"], help="weights and KV cache dtype")
     p = sub.add_parser("ttft")
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--lengths", nargs="+", type=int, default=[16, 64, 256, 1023])

@@ -27,7 +27,7 @@ import numpy as np
 
 from gpt_jax.cache import cache_bytes, init_cache
 from inference.engine import generate, pack, prefill, validate
-from inference.llm import LLM
+from inference.llm import DTYPES, LLM
 from inference.sampling import SamplingParams
 
 
@@ -52,6 +52,8 @@ def parse_args(argv=None):
                    help="token stop sequence, comma-separated ids (repeatable)")
     s.add_argument("--logprobs", type=int, default=None, help="top-N alternatives per token")
     s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights and KV cache dtype (bfloat16 halves the bytes read per step)")
     p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
     p.add_argument("--report", action="store_true", help="print timing and KV cache size")
     add_hf_args(p)
@@ -161,7 +163,7 @@ def load_llm(args) -> LLM:
     if args.prompt and args.prompt_ids:
         raise SystemExit("gpt-jax generate: give --prompt or --prompt-ids, not both")
     if not args.hf_checkpoint:
-        return LLM.from_checkpoint(args.run_dir)
+        return LLM.from_checkpoint(args.run_dir, dtype=args.dtype)
     from gpt_jax.hf import load_hf_gpt2, load_hf_tokenizer
 
     config, params = load_hf_gpt2(args.hf_checkpoint)
@@ -169,7 +171,7 @@ def load_llm(args) -> LLM:
     if tokenizer is None and not args.prompt_ids:
         raise SystemExit(f"gpt-jax generate: {args.hf_checkpoint} has no tokenizer "
                          f"(tokenizer.json, or vocab.json + merges.txt); pass --prompt-ids")
-    return LLM(params, config, tokenizer)
+    return LLM(params, config, tokenizer, args.dtype)
 
 
 def print_token_ids(llm: LLM, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> None:

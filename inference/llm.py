@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
+import jax
 import jax.numpy as jnp
 
 from gpt_jax import checkpoint
@@ -75,18 +76,30 @@ def _stop_cut(tokenizer, tokens: list[int], text: str, stops) -> tuple[str, list
     return text[:start], tokens[:k]
 
 
-class LLM:
-    """A model, its config and tokenizer, generating text."""
+DTYPES = ("float32", "bfloat16")
 
-    def __init__(self, params, config, tokenizer, cache_dtype=jnp.float32):
-        self.params, self.config, self.tokenizer = params, config, tokenizer
-        self.cache_dtype = cache_dtype
+
+class LLM:
+    """A model, its config and tokenizer, generating text.
+
+    `dtype="bfloat16"` stores the weights and the KV cache in bfloat16 (half the bytes a
+    memory-bound decode step reads); LayerNorm, softmax, attention accumulators and logits
+    stay float32 inside the model. Raises ValueError for any other dtype than `DTYPES`.
+    """
+
+    def __init__(self, params, config, tokenizer, dtype: str = "float32"):
+        if dtype not in DTYPES:
+            raise ValueError(f"LLM dtype must be one of {DTYPES}, got {dtype!r}")
+        self.dtype = dtype
+        self.cache_dtype = jnp.dtype(dtype)
+        self.params = jax.tree.map(lambda a: a.astype(self.cache_dtype), params)
+        self.config, self.tokenizer = config, tokenizer
 
     @classmethod
-    def from_checkpoint(cls, run_dir, step: int | None = None) -> LLM:
+    def from_checkpoint(cls, run_dir, step: int | None = None, dtype: str = "float32") -> LLM:
         """Load the latest (or given) checkpoint of a training run directory."""
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
-        return cls(params, config, tokenizer)
+        return cls(params, config, tokenizer, dtype)
 
     def generate(self, prompts: list[str], sampling=None, *, max_batch_size: int = 32,
                  progress: bool = True) -> list[TextCompletion]:
