@@ -94,7 +94,7 @@ def timed(fn, repeats: int = 1) -> float:
 
 
 def preset(name: str) -> GPTConfig:
-    # shakespeare-char's position table (128) is too short for prompt 64 + 512 new tokens.
+    # shakespeare-char's position table (320) is too short for prompt 64 + 512 new tokens.
     return GPTConfig.preset(name, max_seq_len=1024) if name == "shakespeare-char" else \
         GPTConfig.preset(name)
 

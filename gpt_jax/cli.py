@@ -39,7 +39,8 @@ def demo_main(argv):
     parser.add_argument("--train-seconds", type=float, default=450.0)
     parser.add_argument("--retrain", action="store_true",
                         help="train again; the old run directory is kept as RUN_DIR.old-TIME")
-    parser.add_argument("--max-new-tokens", type=int, default=300)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="default: what the model's context leaves after the longest prompt")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     phases = {}
@@ -69,9 +70,12 @@ def demo_main(argv):
           f"nats/char")
 
     tick = time.perf_counter()
+    from gpt_jax.checkpoint import load_config
     from inference.cli import main as generate_main
 
-    generate_main(["--run-dir", str(run_dir), "--max-new-tokens", str(args.max_new_tokens),
+    max_new = args.max_new_tokens or (load_config(run_dir).max_seq_len
+                                      - max(map(len, DEMO_PROMPTS)))
+    generate_main(["--run-dir", str(run_dir), "--max-new-tokens", str(max_new),
                    "--report"] + [a for p in DEMO_PROMPTS for a in ("--prompt", p)])
     phases["generate"] = time.perf_counter() - tick
     print("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
