@@ -176,7 +176,7 @@ def test_every_sampling_field_is_a_flag():
 
 
 def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
     other = PIECES.decode([17, 3])
     argv = ["--prompt", PROMPT, "--prompt", other, "--temperature", "0.9", "--seed", "3",
             "--max-new-tokens", "10", "--n", "2"]
@@ -196,7 +196,7 @@ def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
 
 
 def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir: pytest.fail("loaded"))
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: pytest.fail("loaded"))
     with pytest.raises(SystemExit, match=r"SamplingParams.top_p=1.5 is out of range; allowed: \[0, 1\]"):
         cli.main(["--top-p", "1.5"])
     with pytest.raises(SystemExit):
