@@ -229,7 +229,7 @@ def decode_runner(params, config, batch, capacity, live, steps=8):
     return lambda: run(params, cache)
 
 
-def decode_step_seconds(params, config, batch, capacity, live, steps=8) -> float:
+def decode_step_seconds(params, config, batch, capacity, live, steps=16) -> float:
     """Wall time of one cached decode step: the marginal cost of `steps` more steps (runs of
     `steps` and `2 * steps` steps, best of 3 each), so per-call costs that a `generate` call
     pays once, not per step (the copy of the undonated input cache on its first write, the
