@@ -232,8 +232,8 @@ def decode_runner(params, config, batch, capacity, live, steps=8):
 def decode_step_seconds(params, config, batch, capacity, live, steps=16) -> float:
     """Wall time of one cached decode step: the marginal cost of `steps` more steps (runs of
     `steps` and `2 * steps` steps, best of 3 each), so per-call costs that a `generate` call
-    pays once, not per step (the copy of the undonated input cache on its first write, the
-    dispatch), drop out."""
+    pays once, not per step (unstacking the layer weights, the copy of the undonated input
+    cache on its first write, the dispatch), drop out."""
     short, long = (timed(decode_runner(params, config, batch, capacity, live, n), repeats=3)
                    for n in (steps, 2 * steps))
     return (long - short) / steps

@@ -90,7 +90,6 @@ class LLM:
     def __init__(self, params, config, tokenizer, dtype: str = "float32"):
         if dtype not in DTYPES:
             raise ValueError(f"LLM dtype must be one of {DTYPES}, got {dtype!r}")
-        self.dtype = dtype
         self.cache_dtype = jnp.dtype(dtype)
         self.params = jax.tree.map(lambda a: a.astype(self.cache_dtype), params)
         self.config, self.tokenizer = config, tokenizer
