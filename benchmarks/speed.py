@@ -212,7 +212,7 @@ def decode_runner(params, config, batch, capacity, live, steps=8):
     """A zero-argument function running `steps` cached decode steps with every row at `live`
     tokens; the steps do not advance, so the live length stays fixed. The cache takes the
     dtype of the params."""
-    shape = (batch, config.n_layers, capacity, config.kv_heads, config.head_dim)
+    shape = (batch, config.n_layers, config.kv_heads, capacity, config.head_dim)
     dtype = params["wte"].dtype
 
     @jax.jit

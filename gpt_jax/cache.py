@@ -1,7 +1,8 @@
 """The KV cache: an immutable pytree of keys and values, written with bounds checks.
 
-Arrays are `[L, B, S, K, H]` (layers, batch, cache slots, kv heads, head dim) with per-row
-lengths `[B]`. Model code sees one row at a time (`jax.vmap` over axis 1 of `k`/`v`, axis 0
+Arrays are `[L, B, K, S, H]` (layers, batch, kv heads, cache slots, head dim) with per-row
+lengths `[B]`. Head-major: a block of slots of one head is contiguous, so attention reads it
+straight into its matmul, with no transpose. Model code sees one row at a time (`jax.vmap` over axis 1 of `k`/`v`, axis 0
 of `lengths`), so a row's write index is its own length.
 
 JAX clamps out-of-range `dynamic_slice` / `dynamic_update_slice` starts silently. Every
@@ -22,15 +23,15 @@ from gpt_jax.config import GPTConfig
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H] keys
-    v: jax.Array  # [L, B, S, K, H] values
+    k: jax.Array  # [L, B, K, S, H] keys
+    v: jax.Array  # [L, B, K, S, H] values
     lengths: jax.Array  # [B] int32, slots written (the next write index) per row
     overflow: jax.Array  # [B] bool, a write past the last slot was refused for this row
 
     @property
     def capacity(self) -> int:
         """S, slots per row."""
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch_size(self) -> int:
@@ -51,7 +52,7 @@ def init_cache(config: GPTConfig, batch_size: int, max_len: int, dtype=jnp.float
         raise ValueError(
             f"init_cache needs batch_size > 0 and max_len > 0, got {batch_size} and {max_len}"
         )
-    shape = (config.n_layers, batch_size, max_len, config.kv_heads, config.head_dim)
+    shape = (config.n_layers, batch_size, config.kv_heads, max_len, config.head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
@@ -79,27 +80,28 @@ def _window_ok(start, size: int, capacity: int, what: str):
     return (start >= 0) & (start + size <= capacity)
 
 
-def write(buf_SKH: jax.Array, new_TKH: jax.Array, start) -> tuple[jax.Array, jax.Array]:
-    """Write `new_TKH` into slots [start, start + T) of one row's cache.
+def write(buf_KSH: jax.Array, new_TKH: jax.Array, start) -> tuple[jax.Array, jax.Array]:
+    """Write the T new keys (or values) `new_TKH` into slots [start, start + T) of one row's
+    cache `buf_KSH`.
 
-    Returns `(buf_SKH, ok)`. When the window does not fit, the buffer comes back unchanged and
+    Returns `(buf_KSH, ok)`. When the window does not fit, the buffer comes back unchanged and
     `ok` is False (under jit) or `ValueError` is raised (concrete `start`).
     """
-    size, capacity = new_TKH.shape[0], buf_SKH.shape[0]
+    size, capacity = new_TKH.shape[0], buf_KSH.shape[1]
     ok = _window_ok(start, size, capacity, "write")
     safe_start = jnp.where(ok, start, 0)
     # A refused write stores back what is already there, so nothing is clamped over.
-    old_TKH = jax.lax.dynamic_slice_in_dim(buf_SKH, safe_start, size, axis=0)
-    new_TKH = jnp.where(ok, new_TKH.astype(buf_SKH.dtype), old_TKH)
-    return jax.lax.dynamic_update_slice_in_dim(buf_SKH, new_TKH, safe_start, axis=0), ok
+    old_KTH = jax.lax.dynamic_slice_in_dim(buf_KSH, safe_start, size, axis=1)
+    new_KTH = jnp.where(ok, jnp.swapaxes(new_TKH, 0, 1).astype(buf_KSH.dtype), old_KTH)
+    return jax.lax.dynamic_update_slice_in_dim(buf_KSH, new_KTH, safe_start, axis=1), ok
 
 
-def read(buf_SKH: jax.Array, start, size: int) -> tuple[jax.Array, jax.Array]:
-    """Read slots [start, start + size) of one row's cache.
+def read(buf_KSH: jax.Array, start, size: int) -> tuple[jax.Array, jax.Array]:
+    """Read slots [start, start + size) of one row's cache `buf_KSH`.
 
-    Returns `(window_TKH, ok)`: zeros and False for an out-of-range window under jit;
+    Returns `(window_KTH, ok)`: zeros and False for an out-of-range window under jit;
     `ValueError` for a concrete `start`.
     """
-    ok = _window_ok(start, size, buf_SKH.shape[0], "read")
-    window = jax.lax.dynamic_slice_in_dim(buf_SKH, jnp.where(ok, start, 0), size, axis=0)
+    ok = _window_ok(start, size, buf_KSH.shape[1], "read")
+    window = jax.lax.dynamic_slice_in_dim(buf_KSH, jnp.where(ok, start, 0), size, axis=1)
     return jnp.where(ok, window, jnp.zeros_like(window)), ok

@@ -25,6 +25,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from gpt_jax import cache as kv
 from gpt_jax.config import GPTConfig
@@ -75,15 +76,35 @@ def _matmul_bwd(residuals, g_MO):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def linear(x: jax.Array, w_IO: jax.Array, b_O: jax.Array) -> jax.Array:
+@struct.dataclass
+class OutputMajor:
+    """A weight matrix stored transposed, `[O, I]`, for the few-row matmuls of decoding.
+
+    The CPU matmul kernels (YNNPACK and Eigen alike) are tiled along the output rows: for
+    `x @ w` with 8 rows they ran at 17-26 GFLOP/s here, while `w_OI @ x^T`, the same product
+    with O as the row axis, ran at 47-52 (a 12-layer gpt2-sized MLP chain: 54 -> 18 ms at 8
+    rows, 80 -> 38 ms at 32, 18 -> 12 ms at 1; benchmarks/README.md). `decode_layout` stores
+    the block matrices this way once per compiled program; `linear` computes with it.
+    """
+
+    w_OI: jax.Array
+
+
+def linear(x: jax.Array, w_IO: jax.Array | OutputMajor, b_O: jax.Array) -> jax.Array:
     """`x @ w + b` over the last axis of `x` (`[..., I]` -> `[..., O]`), as one 2-D matmul.
 
-    Its gradient is exactly autodiff's (dx = g w^T, dw = x^T g, db = sum g); only the layout of
-    the backward matmuls is chosen by hand (see `_matmul_fwd`).
+    `w_IO` is `[I, O]`, or an `OutputMajor` `[O, I]` (computed as `(w_OI @ x^T)^T`; the
+    barrier keeps XLA from folding the transposes back into `x @ w_OI^T`). Its gradient is
+    exactly autodiff's (dx = g w^T, dw = x^T g, db = sum g); only the layout of the backward
+    matmuls is chosen by hand (see `_matmul_fwd`).
     """
-    lead = x.shape[:-1]
-    out = _matmul(x.reshape(-1, x.shape[-1]), w_IO) + b_O[None]
-    return out.reshape(*lead, w_IO.shape[-1])
+    lead, x_MI = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    if isinstance(w_IO, OutputMajor):
+        out_MO = jax.lax.optimization_barrier(w_IO.w_OI @ x_MI.T).T
+    else:
+        out_MO = _matmul(x_MI, w_IO)
+    out_MO = out_MO + b_O[None]
+    return out_MO.reshape(*lead, out_MO.shape[-1])
 
 
 def mlp(p: Params, x_TD: jax.Array) -> jax.Array:
@@ -115,7 +136,7 @@ def attend(q_TNH: jax.Array, k_SKH: jax.Array, v_SKH: jax.Array, mask_TS: jax.Ar
     return out_TKGH.reshape(T, N, H)
 
 
-def _online_softmax_block(state, q_TKGH, k_SKH, v_SKH, mask_TS):
+def _online_softmax_block(state, q_TKGH, k_KSH, v_KSH, mask_TS):
     """Fold one block of keys into a running softmax (Milakov & Gimelshein 2018, "Online
     normalizer calculation for softmax"; as in FlashAttention, Dao et al. 2022).
 
@@ -125,38 +146,38 @@ def _online_softmax_block(state, q_TKGH, k_SKH, v_SKH, mask_TS):
     """
     max_KGT, sum_KGT, acc_KGTH = state
     scores_KGTS = jnp.einsum(
-        "TKGH,SKH->KGTS", q_TKGH, k_SKH, preferred_element_type=jnp.float32
+        "TKGH,KSH->KGTS", q_TKGH, k_KSH, preferred_element_type=jnp.float32
     ) / math.sqrt(q_TKGH.shape[-1])
     scores_KGTS = jnp.where(mask_TS[None, None], scores_KGTS, MASK_VALUE)
     new_max_KGT = jnp.maximum(max_KGT, scores_KGTS.max(-1))
     probs_KGTS = jnp.where(mask_TS[None, None], jnp.exp(scores_KGTS - new_max_KGT[..., None]), 0.0)
     rescale_KGT = jnp.exp(max_KGT - new_max_KGT)
     acc_KGTH = acc_KGTH * rescale_KGT[..., None] + jnp.einsum(
-        "KGTS,SKH->KGTH", probs_KGTS.astype(v_SKH.dtype), v_SKH,
+        "KGTS,KSH->KGTH", probs_KGTS.astype(v_KSH.dtype), v_KSH,
         preferred_element_type=jnp.float32,
     )
     return new_max_KGT, sum_KGT * rescale_KGT + probs_KGTS.sum(-1), acc_KGTH
 
 
-def _attend_cache(state, q_TKGH, k_LSKH, v_LSKH, layer, length, bound):
+def _attend_cache(state, q_TKGH, k_LKSH, v_LKSH, layer, length, bound):
     """Fold in cache slots [0, length) of `layer`, reading only the blocks below `bound`.
 
     `bound` >= length is the trip count's source: a Python int (static loop), or a traced
     scalar (a `while_loop`, so the work follows the live length, not the capacity S). The
     last block is shifted back to end at S and its slots already seen are masked off.
     """
-    S, K, H = k_LSKH.shape[1:]
+    K, S, H = k_LKSH.shape[1:]
     block = min(ATTENTION_BLOCK, S)
     T = q_TKGH.shape[0]
 
     def body(i, state):
         lo = i * block
         first = jnp.minimum(lo, S - block)
-        k_SKH = jax.lax.dynamic_slice(k_LSKH, (layer, first, 0, 0), (1, block, K, H))[0]
-        v_SKH = jax.lax.dynamic_slice(v_LSKH, (layer, first, 0, 0), (1, block, K, H))[0]
+        k_KSH = jax.lax.dynamic_slice(k_LKSH, (layer, 0, first, 0), (1, K, block, H))[0]
+        v_KSH = jax.lax.dynamic_slice(v_LKSH, (layer, 0, first, 0), (1, K, block, H))[0]
         slot_S = first + jnp.arange(block)
         mask_TS = jnp.broadcast_to(((slot_S >= lo) & (slot_S < length))[None], (T, block))
-        return _online_softmax_block(state, q_TKGH, k_SKH, v_SKH, mask_TS)
+        return _online_softmax_block(state, q_TKGH, k_KSH, v_KSH, mask_TS)
 
     if isinstance(bound, int):
         n_blocks = -(-min(bound, S) // block)
@@ -173,21 +194,22 @@ def _attend_new(state, q_TKGH, k_TKH, v_TKH):
     T = q_TKGH.shape[0]
     block = min(ATTENTION_BLOCK, T)
     query_T = jnp.arange(T)
+    k_KTH, v_KTH = jnp.swapaxes(k_TKH, 0, 1), jnp.swapaxes(v_TKH, 0, 1)
 
     def body(j, state):
         lo = j * block
         first = jnp.minimum(lo, T - block)
-        k_SKH = jax.lax.dynamic_slice_in_dim(k_TKH, first, block, axis=0)
-        v_SKH = jax.lax.dynamic_slice_in_dim(v_TKH, first, block, axis=0)
+        k_KSH = jax.lax.dynamic_slice_in_dim(k_KTH, first, block, axis=1)
+        v_KSH = jax.lax.dynamic_slice_in_dim(v_KTH, first, block, axis=1)
         key_S = first + jnp.arange(block)
         mask_TS = (key_S[None, :] >= lo) & (key_S[None, :] <= query_T[:, None])
-        return _online_softmax_block(state, q_TKGH, k_SKH, v_SKH, mask_TS)
+        return _online_softmax_block(state, q_TKGH, k_KSH, v_KSH, mask_TS)
 
     n_blocks = -(-T // block)
     return body(0, state) if n_blocks == 1 else jax.lax.fori_loop(0, n_blocks, body, state)
 
 
-def attend_cached(q_TNH, k_TKH, v_TKH, k_LSKH, v_LSKH, layer, length, bound):
+def attend_cached(q_TNH, k_TKH, v_TKH, k_LKSH, v_LKSH, layer, length, bound):
     """Causal attention of T new queries over a row's cache and the T new keys.
 
     The keys are cache slots [0, length) of `layer` (positions before the new tokens) and
@@ -208,44 +230,46 @@ def attend_cached(q_TNH, k_TKH, v_TKH, k_LSKH, v_LSKH, layer, length, bound):
         jnp.zeros((K, N // K, T), jnp.float32),
         jnp.zeros((K, N // K, T, H), jnp.float32),
     )
-    state = _attend_cache(state, q_TKGH, k_LSKH, v_LSKH, layer, length, bound)
+    state = _attend_cache(state, q_TKGH, k_LKSH, v_LKSH, layer, length, bound)
     max_KGT, sum_KGT, acc_KGTH = _attend_new(state, q_TKGH, k_TKH, v_TKH)
     out_KGTH = jnp.where(sum_KGT[..., None] > 0, acc_KGTH / jnp.maximum(sum_KGT, 1e-30)[..., None], 0.0)
     return jnp.einsum("KGTH->TKGH", out_KGTH).reshape(T, N, H).astype(v_TKH.dtype)
 
 
 def _project_heads(x_TD, w_DNH, b_NH):
-    """x @ w + b as one [..., D] @ [D, N*H] matmul, reshaped to heads `[..., N, H]`."""
-    D, N, H = w_DNH.shape
-    out = linear(x_TD, w_DNH.reshape(D, N * H), b_NH.reshape(N * H))
+    """x @ w + b as one [..., D] @ [D, N*H] matmul, reshaped to heads `[..., N, H]`. `w_DNH`
+    may be an `OutputMajor` `[N*H, D]` (see `decode_layout`)."""
+    N, H = b_NH.shape
+    w = w_DNH if isinstance(w_DNH, OutputMajor) else w_DNH.reshape(-1, N * H)
+    out = linear(x_TD, w, b_NH.reshape(N * H))
     return out.reshape(*x_TD.shape[:-1], N, H)
 
 
 def _merge_heads(p: Params, out_TNH: jax.Array) -> jax.Array:
     """The output projection: `[..., N, H]` -> `[..., D]` as one [N*H, D] matmul (so XLA never
-    transposes w_o to match the output)."""
-    N, H, D = p["w_o"].shape
-    return linear(out_TNH.reshape(*out_TNH.shape[:-2], N * H), p["w_o"].reshape(N * H, D),
-                  p["b_o"])
+    transposes w_o to match the output). `w_o` may be an `OutputMajor` `[D, N*H]`."""
+    N, H = out_TNH.shape[-2:]
+    w = p["w_o"] if isinstance(p["w_o"], OutputMajor) else p["w_o"].reshape(N * H, -1)
+    return linear(out_TNH.reshape(*out_TNH.shape[:-2], N * H), w, p["b_o"])
 
 
-def attention(p: Params, x_TD: jax.Array, k_LSKH, v_LSKH, layer, length, bound):
+def attention(p: Params, x_TD: jax.Array, k_LKSH, v_LKSH, layer, length, bound):
     """Causal self-attention of T new tokens at positions length..length+T-1 of one sequence.
 
-    Reads the row's cache (`[L, S, K, H]`, read-only here) at `layer`, slots below `length`.
+    Reads the row's cache (`[L, K, S, H]`, read-only here) at `layer`, slots below `length`.
     Returns `(out_TD, (k_TKH, v_TKH))`: the new keys and values, for the caller to write.
     """
     q_TNH = _project_heads(x_TD, p["w_q"], p["b_q"])
-    k_TKH = _project_heads(x_TD, p["w_k"], p["b_k"]).astype(k_LSKH.dtype)
-    v_TKH = _project_heads(x_TD, p["w_v"], p["b_v"]).astype(v_LSKH.dtype)
-    out_TNH = attend_cached(q_TNH, k_TKH, v_TKH, k_LSKH, v_LSKH, layer, length, bound)
+    k_TKH = _project_heads(x_TD, p["w_k"], p["b_k"]).astype(k_LKSH.dtype)
+    v_TKH = _project_heads(x_TD, p["w_v"], p["b_v"]).astype(v_LKSH.dtype)
+    out_TNH = attend_cached(q_TNH, k_TKH, v_TKH, k_LKSH, v_LKSH, layer, length, bound)
     return _merge_heads(p, out_TNH.astype(x_TD.dtype)), (k_TKH, v_TKH)
 
 
-def block(p: Params, x_TD, k_LSKH, v_LSKH, layer, length, bound, config: GPTConfig):
+def block(p: Params, x_TD, k_LKSH, v_LKSH, layer, length, bound, config: GPTConfig):
     """One pre-LayerNorm transformer block. Returns `(x_TD, (k_TKH, v_TKH))`."""
     attn_TD, new_kv = attention(
-        p["attn"], layer_norm(p["ln1"], x_TD, config.layer_norm_eps), k_LSKH, v_LSKH, layer,
+        p["attn"], layer_norm(p["ln1"], x_TD, config.layer_norm_eps), k_LKSH, v_LKSH, layer,
         length, bound,
     )
     x_TD = x_TD + attn_TD
@@ -269,7 +293,7 @@ def transformer(
 
     Args:
       tokens_T: int token ids; the first `n_valid` are real, the rest padding.
-      cache: one row of a KVCache (k, v `[L, S, K, H]`, scalar `lengths`, `overflow`). The
+      cache: one row of a KVCache (k, v `[L, K, S, H]`, scalar `lengths`, `overflow`). The
         tokens take positions lengths..lengths+T-1 and are written to those slots.
       n_valid: real tokens among the T (default all); the row's length advances by this.
       bound: an upper bound on `cache.lengths` shared by every row of a vmapped batch (for
@@ -297,13 +321,13 @@ def transformer(
         layers = (params["blocks"], jnp.arange(config.n_layers))
         x_TD, (k_LTKH, v_LTKH) = jax.lax.scan(step, x_TD, layers)
     write_layers = jax.vmap(kv.write, in_axes=(0, 0, None))
-    k_LSKH, ok_L = write_layers(cache.k, k_LTKH, start)
-    v_LSKH, _ = write_layers(cache.v, v_LTKH, start)
+    k_LKSH, ok_L = write_layers(cache.k, k_LTKH, start)
+    v_LKSH, _ = write_layers(cache.v, v_LTKH, start)
     n_valid = tokens_T.shape[0] if n_valid is None else n_valid
     ok = ok_L.all()
     new_cache = cache.replace(
-        k=k_LSKH,
-        v=v_LSKH,
+        k=k_LKSH,
+        v=v_LKSH,
         lengths=jnp.where(ok, start + n_valid, start).astype(jnp.int32),
         overflow=cache.overflow | ~ok,
     )
@@ -324,9 +348,33 @@ def unstack_layers(params: Params) -> Params:
     return {**params, "blocks": layers}
 
 
+def decode_layout(params: Params) -> Params:
+    """`params` as the inference programs run them: layers unstacked (`unstack_layers`) and
+    every block matrix `OutputMajor`, `[O, I]` (w_q, w_k, w_v `[N*H, D]`, w_o `[D, N*H]`,
+    w_in `[F, D]`, w_out `[D, F]`). Already in this layout, params come back unchanged.
+    A copy of every block weight: call it once, outside any decode loop."""
+    if isinstance(params["blocks"], tuple) and isinstance(
+            params["blocks"][0]["mlp"]["w_in"], OutputMajor):
+        return params
+
+    def layer(p):
+        attn, mlp = p["attn"], p["mlp"]
+        D = attn["w_q"].shape[0]
+        heads = {name: OutputMajor(attn[name].reshape(D, -1).T) for name in ("w_q", "w_k", "w_v")}
+        return {**p,
+                "attn": {**attn, **heads, "w_o": OutputMajor(attn["w_o"].reshape(-1, D).T)},
+                "mlp": {**mlp, "w_in": OutputMajor(mlp["w_in"].T),
+                        "w_out": OutputMajor(mlp["w_out"].T)}}
+
+    return {**params, "blocks": tuple(layer(p) for p in unstack_layers(params)["blocks"])}
+
+
 def lm_head(params: Params, x_TD: jax.Array, config: GPTConfig) -> jax.Array:
     """Final LayerNorm and the tied output projection. Returns float32 logits `[..., V]`."""
     h = layer_norm(params["ln_f"], x_TD, config.layer_norm_eps)
+    if h.ndim == 1:  # one position (vmapped over rows): `wte` is already [O, I] = [V, D]
+        logits_V1 = jnp.matmul(params["wte"], h[:, None], preferred_element_type=jnp.float32)
+        return jax.lax.optimization_barrier(logits_V1)[:, 0]
     return jnp.einsum("...D,VD->...V", h, params["wte"], preferred_element_type=jnp.float32)
 
 

@@ -30,12 +30,13 @@ from flax import struct
 
 from gpt_jax.cache import CACHE_BATCH_AXES, KVCache
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params, lm_head, transformer, unstack_layers
+from gpt_jax.model import Params, decode_layout, lm_head, transformer
 from inference import stopping
 from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, sample
 
 CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk boundaries
 MIN_PROMPT_BUCKET = 16
+
 
 
 # ----------------------------------------------------------------------------- model steps
@@ -59,13 +60,13 @@ class LoopCache:
     """The KV cache as the generation loop carries it: KVCache's fields, batch axis first.
 
     vmap's batching rules move a mapped axis to the front before any dynamic slice or
-    scatter, so a cache carried as `[L, B, S, K, H]` would be transposed (copied whole) on
+    scatter, so a cache carried as `[L, B, K, S, H]` would be transposed (copied whole) on
     every decode step. Batch-major, the per-row block reads and the write of the new token
     touch only those slots, in place.
     """
 
-    k: jax.Array  # [B, L, S, K, H] keys
-    v: jax.Array  # [B, L, S, K, H] values
+    k: jax.Array  # [B, L, K, S, H] keys
+    v: jax.Array  # [B, L, K, S, H] values
     lengths: jax.Array  # [B] int32, slots written per row
     overflow: jax.Array  # [B] bool, a write past the last slot was refused
 
@@ -253,12 +254,12 @@ def decode_loop(state, step_fn, rows, stops, pad_id) -> DecodeState:
 
 def cached_model(params, config, capacity, cache_dtype):
     """`(prefill_fn, step_fn)` over a batch-major KV cache (`LoopCache`) of `capacity`
-    slots per row. The layers are unstacked once here, outside the decode loop."""
-    params = unstack_layers(params)
+    slots per row. The weights take the decode layout once here, outside the decode loop."""
+    params = decode_layout(params)
 
     def prefill_fn(tokens_BT, lengths_B):
         B = tokens_BT.shape[0]
-        shape = (B, config.n_layers, capacity, config.kv_heads, config.head_dim)
+        shape = (B, config.n_layers, config.kv_heads, capacity, config.head_dim)
         cache = LoopCache(k=jnp.zeros(shape, cache_dtype), v=jnp.zeros(shape, cache_dtype),
                           lengths=jnp.zeros((B,), jnp.int32), overflow=jnp.zeros((B,), bool))
         return _prefill(params, config, tokens_BT, lengths_B, cache)

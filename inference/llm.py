@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt_jax import checkpoint
+from gpt_jax.model import decode_layout
 from inference import engine, stopping
 from inference.sampling import SamplingParams
 
@@ -85,13 +86,16 @@ class LLM:
     `dtype="bfloat16"` stores the weights and the KV cache in bfloat16 (half the bytes a
     memory-bound decode step reads); LayerNorm, softmax, attention accumulators and logits
     stay float32 inside the model. Raises ValueError for any other dtype than `DTYPES`.
+    `params` are kept in the decode layout (`gpt_jax.model.decode_layout`), made once here.
     """
 
     def __init__(self, params, config, tokenizer, dtype: str = "float32"):
         if dtype not in DTYPES:
             raise ValueError(f"LLM dtype must be one of {DTYPES}, got {dtype!r}")
         self.cache_dtype = jnp.dtype(dtype)
-        self.params = jax.tree.map(lambda a: a.astype(self.cache_dtype), params)
+        # The decode layout once, here: inside each compiled call it would copy every weight.
+        self.params = jax.jit(decode_layout)(
+            jax.tree.map(lambda a: a.astype(self.cache_dtype), params))
         self.config, self.tokenizer = config, tokenizer
 
     @classmethod

@@ -37,6 +37,11 @@ def _full_attention(q, k_new, v_new, k_cache, v_cache, layer, length):
     return attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
 
 
+def head_major(cache_LSKH):
+    """The cache row as the model stores it, `[L, K, S, H]`."""
+    return np.ascontiguousarray(cache_LSKH.transpose(0, 2, 1, 3))
+
+
 @pytest.fixture
 def block4(monkeypatch):
     """Blocks of 4 slots, so these small shapes span several blocks."""
@@ -52,7 +57,8 @@ def test_live_length_attention_equals_full_attention(block4, K, T, lengths):
         expected = _full_attention(q, k_new, v_new, k_cache, v_cache, 1, length)
         # bound: this row's length, or a longer row's (the batch maximum), or the capacity
         for bound in (length, min(length + 6, S), S):
-            got = run(q, k_new, v_new, k_cache, v_cache, 1, length, jnp.int32(bound))
+            got = run(q, k_new, v_new, head_major(k_cache), head_major(v_cache), 1, length,
+                      jnp.int32(bound))
             assert_close(got, expected, 2e-5, f"attention at length {length}, bound {bound}")
 
 
@@ -63,7 +69,8 @@ def test_blocks_past_the_bound_are_never_read(block4):
     q, k_new, v_new, k_cache, v_cache = _case(2, T, length)
     expected = _full_attention(q, k_new, v_new, k_cache, v_cache, 0, length)
     k_cache[:, 8:], v_cache[:, 8:] = np.nan, np.nan  # blocks 2.. of 4 slots
-    got = jax.jit(attend_cached)(q, k_new, v_new, k_cache, v_cache, 0, length, jnp.int32(length))
+    got = jax.jit(attend_cached)(q, k_new, v_new, head_major(k_cache), head_major(v_cache), 0,
+                                 length, jnp.int32(length))
     assert_close(got, expected, 2e-5, "attention with NaN past the live blocks")
 
 
@@ -74,7 +81,7 @@ def test_long_prefill_is_blockwise_and_equals_full_attention(monkeypatch):
     rng = np.random.default_rng(3)
     q = rng.normal(size=(T, N, H)).astype(np.float32)
     k_new, v_new = (rng.normal(size=(T, K, H)).astype(np.float32) for _ in range(2))
-    empty = np.zeros((1, T, K, H), np.float32)
+    empty = np.zeros((1, K, T, H), np.float32)
     got = jax.jit(attend_cached, static_argnums=(6, 7))(q, k_new, v_new, empty, empty, 0, 0, 0)
     mask = np.tril(np.ones((T, T), bool))
     assert_close(got, attend(q, k_new, v_new, jnp.asarray(mask)), 2e-5, "blockwise prefill")

@@ -92,9 +92,9 @@ def test_g02_decode_never_reads_pad_or_unwritten_cache_slots(config, params, pad
     rng = np.random.default_rng(0)
 
     def garbage_at(cache, slots):
-        shape = cache.k[:, :, slots].shape
-        return cache.replace(k=cache.k.at[:, :, slots].set(rng.uniform(-1e3, 1e3, shape)),
-                             v=cache.v.at[:, :, slots].set(rng.uniform(-1e3, 1e3, shape)))
+        shape = cache.k[:, :, :, slots].shape
+        return cache.replace(k=cache.k.at[:, :, :, slots].set(rng.uniform(-1e3, 1e3, shape)),
+                             v=cache.v.at[:, :, :, slots].set(rng.uniform(-1e3, 1e3, shape)))
 
     def run(before=None, after=None):
         """Prefill [PAD, PAD, a, b, c] (3 real tokens), then decode d and e. `before` and
@@ -173,10 +173,10 @@ def test_g04_attention_row_with_every_key_masked_is_zero_with_finite_gradients(d
 
 @pytest.fixture
 def one_layer_row():
-    """One layer, batch 1, 8 slots: the row's k buffer `[S, K, H]`, slot s holding s + 1."""
+    """One layer, batch 1, 8 slots: the row's k buffer `[K, S, H]`, slot s holding s + 1."""
     config = GPTConfig(vocab_size=16, max_seq_len=8, n_layers=1, n_heads=1, d_model=4)
     cache = init_cache(config, 1, 8)
-    return cache.k[0, 0] + jnp.arange(1, 9, dtype=jnp.float32)[:, None, None]
+    return cache.k[0, 0] + jnp.arange(1, 9, dtype=jnp.float32)[None, :, None]
 
 
 @pytest.mark.parametrize("start, size, allowed", [(8, 1, 7), (10, 1, 7), (6, 3, 5), (-1, 1, 7)])
@@ -192,8 +192,8 @@ def test_g06_out_of_range_cache_writes_are_refused(one_layer_row, start, size, a
     # The last window that fits is written, under jit and without.
     for write in (kv.write, jax.jit(kv.write)):
         out, ok = write(buf, new, allowed)
-        assert bool(ok) and (np.asarray(out[allowed: allowed + size]) == -5.0).all()
-        assert_close(out[:allowed], buf[:allowed], 0.0, "slots before the write")
+        assert bool(ok) and (np.asarray(out[:, allowed: allowed + size]) == -5.0).all()
+        assert_close(out[:, :allowed], buf[:, :allowed], 0.0, "slots before the write")
 
 
 def test_g06_out_of_range_cache_reads_are_refused(one_layer_row):
@@ -203,10 +203,10 @@ def test_g06_out_of_range_cache_reads_are_refused(one_layer_row):
         kv.read(buf, 9, 4)
     window, ok = jax.jit(kv.read, static_argnums=2)(buf, 9, 4)
     assert not bool(ok)
-    assert_close(window, np.zeros((4, 1, 4)), 0.0, "refused read (not a clamped window)")
+    assert_close(window, np.zeros((1, 4, 4)), 0.0, "refused read (not a clamped window)")
     window, ok = jax.jit(kv.read, static_argnums=2)(buf, 4, 4)
     assert bool(ok)
-    assert_close(window, buf[4:], 0.0, "last window that fits")
+    assert_close(window, buf[:, 4:], 0.0, "last window that fits")
 
 
 def test_g06_model_writes_past_the_cache_end_are_flagged_not_clamped(config, params):

@@ -4,7 +4,7 @@ import numpy as np
 
 from conftest import assert_close
 from gpt_jax import GPTConfig, forward, init_params
-from gpt_jax.model import attend
+from gpt_jax.model import attend, decode_layout
 from inference import decode_step, init_cache, prefill
 
 
@@ -32,6 +32,22 @@ def test_prefill_then_decode_equals_forward(config, params):
         logits, cache = decode_step(params, config, jnp.asarray(seq[t: t + 1]), cache)
         assert_close(logits[0], full[t], 1e-5, f"decode logits at {t}")
     assert int(cache.lengths[0]) == len(seq) and not bool(cache.overflow[0])
+
+
+def test_decode_layout_gives_the_same_logits(config, params):
+    """The inference programs run the weights output-major and unstacked (`decode_layout`);
+    prefill and decode with them equal the stacked, input-major params (the scan path)."""
+    laid_out = jax.jit(decode_layout)(params)
+    assert decode_layout(laid_out) is laid_out  # already laid out: unchanged, no copy
+    tokens, lengths = jnp.asarray([[3, 4, 5, 6], [7, 8, 0, 0]], jnp.int32), jnp.array([4, 2])
+    results = []
+    for p in (params, laid_out):
+        l1, cache = prefill(p, config, tokens, lengths, init_cache(config, 2, 16))
+        l2, _ = decode_step(p, config, jnp.array([9, 10]), cache)
+        results.append((l1, l2))
+    (a1, a2), (b1, b2) = results
+    assert_close(b1, a1, 1e-5, "prefill logits, decode layout")
+    assert_close(b2, a2, 1e-5, "decode logits, decode layout")
 
 
 def test_jitted_steps_equal_unjitted(config, params):
