@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax import GPTConfig, init_params
+from gpt_jax.model import decode_layout
 from inference import SamplingParams, compile_counts, generate, naive_generate
 from inference.engine import LoopCache, cached_model
 from inference.naive import naive_model
@@ -162,6 +163,8 @@ def throughput(args) -> None:
             model, params = hf_model(config, tmp) if args.hf else (None, init_params(
                 config, jax.random.key(0)))
         params_bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+        # Ours runs the weights in the decode layout, made once (as `LLM` does), not per call.
+        laid_out, laid_out_bf16 = (jax.jit(decode_layout)(p) for p in (params, params_bf16))
         for new in args.new_tokens:
             step = naive_step_seconds(params, config, 1, new)
             rows.append({"preset": name, "engine": "naive", "batch": 1, "new_tokens": new,
@@ -169,11 +172,11 @@ def throughput(args) -> None:
             for batch in args.batches:
                 prompts = random_prompts(config, batch)
                 sp = SamplingParams(temperature=0.0, max_new_tokens=new)
-                ours = timed(lambda: generate(params, config, prompts, sp))  # noqa: B023
+                ours = timed(lambda: generate(laid_out, config, prompts, sp))  # noqa: B023
                 row = {"preset": name, "engine": "gpt-jax", "batch": batch, "new_tokens": new,
                        "tok_per_s": batch * new / ours, "ms_per_step": 1e3 * ours / new}
                 if args.bf16:
-                    half = timed(lambda: generate(params_bf16, config, prompts, sp,  # noqa: B023
+                    half = timed(lambda: generate(laid_out_bf16, config, prompts, sp,  # noqa: B023
                                                   cache_dtype=jnp.bfloat16))
                     rows.append({"preset": name, "engine": "gpt-jax bf16", "batch": batch,
                                  "new_tokens": new, "tok_per_s": batch * new / half,
@@ -260,7 +263,7 @@ def live_length(args) -> None:
         ax.set_ylabel("decode step (ms)")
         ax.legend()
 
-    save("live-length", rows, plot, {"preset": args.preset})
+    save("live-length" + args.tag, rows, plot, {"preset": args.preset})
 
 
 # ---------------------------------------------------------------------------- 4: roofline
@@ -322,11 +325,13 @@ def prefill_peak_bytes(params, config, length: int) -> int:
 def ttft(args) -> None:
     config = preset(args.preset)
     params = init_params(config, jax.random.key(0))
+    laid_out = jax.jit(decode_layout)(params)  # once, as `LLM` does
     rows = []
     one = SamplingParams(temperature=0.0, max_new_tokens=1)
     for length in args.lengths:
         prompts = random_prompts(config, 1, min(length, config.max_seq_len - 1))
-        seconds = timed(lambda: generate(params, config, prompts, one), repeats=2)  # noqa: B023
+        seconds = timed(lambda: generate(laid_out, config, prompts, one),  # noqa: B023
+                        repeats=2)
         rows.append({"prompt": length, "ttft_ms": 1e3 * seconds})
     longest = max(args.lengths)
     peak = prefill_peak_bytes(params, config, longest)
@@ -434,6 +439,7 @@ def main(argv=None) -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--capacity", type=int, default=1024)
     p.add_argument("--live", nargs="+", type=int, default=[64, 128, 256, 512, 1023])
+    p.add_argument("--tag", default="", help="suffix of the result file names (--tag=-x)")
     p = sub.add_parser("roofline")
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
