@@ -15,7 +15,9 @@ tokens of one sequence against that sequence's KV cache (blockwise attention tha
 the live cache), writing their keys and values at the row's current length; `inference.engine`
 vmaps it as prefill and decode over padded batches. `forward` runs whole sequences with no
 cache and a plain masked attention: the training path, and the reference the cached path is
-tested against. Definitions go from leaves to root.
+tested against. Inference runs the weights in `decode_layout` (layers unstacked, block
+matrices `OutputMajor`); every function here takes either layout. Definitions go from
+leaves to root.
 """
 
 from __future__ import annotations
@@ -337,8 +339,8 @@ def transformer(
 def unstack_layers(params: Params) -> Params:
     """`params` with "blocks" as a tuple of L per-layer dicts instead of arrays stacked on L.
 
-    `transformer` runs such params as an unrolled Python loop. Inference programs call this
-    once, outside their decode loop: slicing a layer out of the stack inside the loop (what
+    `transformer` runs such params as an unrolled Python loop. Inference programs do this once
+    (inside `decode_layout`), outside their decode loop: slicing a layer out of the stack inside the loop (what
     `lax.scan` over stacked weights does) copies that layer's weights on every step, which
     doubles the memory traffic of a memory-bound decode step.
     """
