@@ -164,14 +164,18 @@ def load_params(run_dir, step: int | None = None):
 
     Raises:
       FileNotFoundError: the directory has no config or no checkpoint.
+      ValueError: `step` is given and no checkpoint was saved at it (the steps are named).
       CorruptCheckpointError: every candidate checkpoint is damaged.
     """
     from gpt_jax.params import init_params  # the shapes to restore into
 
     config = load_config(run_dir)
     mngr = manager(run_dir)
-    if not mngr.all_steps():
+    steps = sorted(mngr.all_steps())
+    if not steps:
         raise FileNotFoundError(f"{run_dir} has no checkpoint under checkpoints/")
+    if step is not None and step not in steps:
+        raise ValueError(f"{run_dir} has no checkpoint at step {step}; its steps are {steps}")
     params_like = jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0))
     params, _, _ = restore(mngr, step, params_like, None)
     return config, params, load_tokenizer(run_dir)

@@ -1,4 +1,4 @@
-"""Generate text from a trained run.
+r"""Generate text from a trained run.
 
 Usage:
   python -m inference.cli --run-dir runs/shakespeare-char --prompt "Romeo.\n" --prompt "Ham.\n"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import secrets
 from typing import Callable
 
@@ -377,7 +378,8 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
     """Check every request before any work starts. Returns `(prompts, sampling)` lists.
 
     Raises:
-      ValueError: a token id outside [0, vocab_size); an empty prompt without a BOS id;
+      ValueError: a token id that is not an integer or is outside [0, vocab_size); an empty
+        prompt without a BOS id;
         a prompt length + max_new_tokens above config.max_seq_len (both numbers named);
         a stop_token_id or stop_sequences id outside the vocabulary.
     """
@@ -387,6 +389,9 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
     V = config.vocab_size
     out = []
     for index, (prompt, sp) in enumerate(zip(prompts, sampling)):
+        not_ints = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if not_ints:
+            raise ValueError(f"prompt {index}: token id {not_ints[0]!r} is not an integer")
         prompt = [int(t) for t in prompt]
         if not prompt:
             if bos_token_id is None and sp.max_new_tokens > 0:

@@ -104,6 +104,17 @@ class LLM:
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
         return cls(params, config, tokenizer, dtype)
 
+    def _encode(self, prompts) -> list[list[int]]:
+        """Token ids of each text prompt. Raises TypeError for a bare string (which would
+        otherwise be taken as one prompt per character) or a non-string prompt."""
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError(f"prompts must be a list of strings, got a bare string {prompts!r:.40}"
+                            "; wrap it in a list")
+        bad = [p for p in prompts if not isinstance(p, str)]
+        if bad:
+            raise TypeError(f"prompts must be strings, got {type(bad[0]).__name__}")
+        return [self.tokenizer.encode(p) for p in prompts]
+
     def generate(self, prompts: list[str], sampling=None, *, max_batch_size: int = 32,
                  progress: bool = True) -> list[TextCompletion]:
         """Generate for each text prompt: one TextCompletion per prompt and sample, in order.
@@ -125,7 +136,7 @@ class LLM:
 
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        token_prompts = [self.tokenizer.encode(p) for p in prompts]
+        token_prompts = self._encode(prompts)
         _, per_prompt = engine.validate(self.config, token_prompts, sampling)
         results: list[list[TextCompletion]] = [[] for _ in prompts]
         groups = engine.length_groups([len(t) for t in token_prompts], max_batch_size)
@@ -143,7 +154,7 @@ class LLM:
         """Yield text deltas per completion as compiled chunks of decode steps finish; the
         last delta of each completion carries its TextCompletion. Joined, a completion's
         deltas equal its `generate` text. Raises as `generate`, before the first delta."""
-        token_prompts = [self.tokenizer.encode(p) for p in prompts]
+        token_prompts = self._encode(prompts)
         token_prompts, per_prompt = engine.validate(self.config, token_prompts, sampling)
         batch = engine.pack(self.config, token_prompts, per_prompt)
         static = dict(capacity=batch.capacity, model_fns=engine.cached_model,

@@ -125,8 +125,10 @@ def _check_real(name, value, low, high, allowed):
 
 
 def _check_int(name, value, low, high, allowed):
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not ok or value < low or (high is not None and value > high):
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"SamplingParams.{name}={value!r} is not an integer; allowed: "
+                         f"integers {allowed}")
+    if value < low or (high is not None and value > high):
         raise ValueError(f"SamplingParams.{name}={value!r} is out of range; allowed: {allowed}")
 
 

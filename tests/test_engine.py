@@ -60,3 +60,8 @@ def test_eos_ends_a_row_and_is_kept(config, params):
 def test_out_of_vocabulary_prompt_token_raises(config, params):
     with pytest.raises(ValueError, match=r"token id 64 is outside \[0, 64\)"):
         generate(params, config, [[1, 64]], GREEDY)
+
+
+def test_non_integer_prompt_token_raises(config, params):
+    with pytest.raises(ValueError, match=r"prompt 1: token id 1.7 is not an integer"):
+        generate(params, config, [[1], [1.7]], GREEDY)

@@ -246,7 +246,7 @@ def test_g20_every_option_changes_the_draws(dtype, option, on, seen, counts, cha
 
 @pytest.mark.parametrize("field, value, allowed", [
     ("temperature", -0.1, r"\[0, inf\)"), ("temperature", float("nan"), r"\[0, inf\)"),
-    ("top_k", 1.5, ">= 0"), ("top_p", 1.01, r"\[0, 1\]"), ("min_p", -0.1, r"\[0, 1\]"),
+    ("top_p", 1.01, r"\[0, 1\]"), ("min_p", -0.1, r"\[0, 1\]"),
     ("repetition_penalty", 0.0, r"\(0, inf\)"), ("presence_penalty", 2.5, r"\[-2, 2\]"),
     ("frequency_penalty", -3.0, r"\[-2, 2\]"), ("seed", -1, r"None or \[0, 2\*\*32 - 1\]"),
     ("seed", 2**32, r"None or \[0, 2\*\*32 - 1\]"), ("max_new_tokens", -1, ">= 0"),
@@ -257,6 +257,12 @@ def test_g20_every_option_changes_the_draws(dtype, option, on, seen, counts, cha
 ])
 def test_out_of_range_values_are_rejected_naming_field_value_and_range(field, value, allowed):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=.* is out of range; allowed: {allowed}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 1.5), ("max_new_tokens", 3.5), ("n", True)])
+def test_non_integer_values_are_rejected_as_such(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}={value!r} is not an integer"):
         SamplingParams(**{field: value})
 
 

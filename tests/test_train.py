@@ -274,6 +274,10 @@ def test_bpe_run_generates_text_through_its_saved_tokenizer(corpus, tmp_path):
     T.train(cfg)
     llm = LLM.from_checkpoint(cfg.run_dir)
     assert isinstance(llm.tokenizer, BPETokenizer) and llm.config.vocab_size == 300
+    with pytest.raises(ValueError, match=r"has no checkpoint at step 7; its steps are \[2\]"):
+        LLM.from_checkpoint(cfg.run_dir, step=7)
+    with pytest.raises(TypeError, match="got a bare string"):
+        llm.generate("The king", progress=False)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
     out = llm.generate(["The king speaks ✓"], sampling, progress=False)[0]
     assert len(out.tokens) == 8
