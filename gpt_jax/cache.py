@@ -2,8 +2,8 @@
 
 Arrays are `[L, B, K, S, H]` (layers, batch, kv heads, cache slots, head dim) with per-row
 lengths `[B]`. Head-major: a block of slots of one head is contiguous, so attention reads it
-straight into its matmul, with no transpose. Model code sees one row at a time (`jax.vmap` over axis 1 of `k`/`v`, axis 0
-of `lengths`), so a row's write index is its own length.
+straight into its matmul, with no transpose. Model code sees one row at a time (`jax.vmap`
+over axis 1 of `k`/`v`, axis 0 of `lengths`), so a row's write index is its own length.
 
 JAX clamps out-of-range `dynamic_slice` / `dynamic_update_slice` starts silently. Every
 write and read here therefore checks its window: with concrete indices (eager) a bad window

@@ -340,9 +340,9 @@ def unstack_layers(params: Params) -> Params:
     """`params` with "blocks" as a tuple of L per-layer dicts instead of arrays stacked on L.
 
     `transformer` runs such params as an unrolled Python loop. Inference programs do this once
-    (inside `decode_layout`), outside their decode loop: slicing a layer out of the stack inside the loop (what
-    `lax.scan` over stacked weights does) copies that layer's weights on every step, which
-    doubles the memory traffic of a memory-bound decode step.
+    (inside `decode_layout`), outside their decode loop: slicing a layer out of the stack
+    inside the loop (what `lax.scan` over stacked weights does) copies that layer's weights
+    on every step, which doubles the memory traffic of a memory-bound decode step.
     """
     blocks = params["blocks"]
     n_layers = jax.tree.leaves(blocks)[0].shape[0]

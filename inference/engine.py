@@ -39,7 +39,6 @@ CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk bound
 MIN_PROMPT_BUCKET = 16
 
 
-
 # ----------------------------------------------------------------------------- model steps
 
 
@@ -389,7 +388,8 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
     V = config.vocab_size
     out = []
     for index, (prompt, sp) in enumerate(zip(prompts, sampling)):
-        not_ints = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        not_ints = [t for t in prompt
+                    if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if not_ints:
             raise ValueError(f"prompt {index}: token id {not_ints[0]!r} is not an integer")
         prompt = [int(t) for t in prompt]
