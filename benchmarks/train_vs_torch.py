@@ -8,7 +8,8 @@ Both sides train the same shape (4 layers, 4 heads, d_model 128, block 64, batch
 65, tied embeddings, GELU-tanh MLP, biases) with AdamW (betas 0.9/0.99, weight decay 0.1),
 global-norm clipping at 1.0 and no dropout, on the same random token batches. PyTorch runs
 `transformers.GPT2LMHeadModel` in eager mode with `torch.set_num_threads(threads)`; JAX runs
-our jitted, donated train step. The two alternate in rounds, so a busy machine slows both
+our jitted, donated train step as `python -m training.train` does: the host split into
+`threads` CPU devices (`TrainConfig.cpu_devices`), the batch data-parallel over them. The two alternate in rounds, so a busy machine slows both
 alike; the table reports tokens/s per round and the ratio of the medians. Compilation and
 warm-up steps are not timed.
 """
@@ -24,26 +25,25 @@ from pathlib import Path
 import numpy as np
 
 
-def jax_runner(batches, steps):
-    import jax
-
+def jax_runner(batches, steps, threads):
     from gpt_jax.config import GPTConfig
-    from gpt_jax.params import init_params
-    from training.train import TrainConfig, make_optimizer, make_train_step
+    from training import sharding
+    from training.train import TrainConfig, init_state, make_optimizer, make_train_step, split_host
 
-    cfg = TrainConfig.preset("nanogpt-cpu")
+    cfg = TrainConfig.preset("nanogpt-cpu", cpu_devices=threads)
+    split_host(cfg)  # before JAX's first operation
     config = GPTConfig.preset("nanogpt-cpu", vocab_size=65)
+    mesh = sharding.make_mesh(cfg.devices)
     optimizer = make_optimizer(cfg)
-    state = {"params": init_params(config, jax.random.key(0))}
-    state["opt"] = optimizer.init(state["params"])
-    step = make_train_step(config, optimizer)
+    params, opt_state, shardings = init_state(cfg, config, optimizer, mesh)
+    state = {"params": params, "opt": opt_state}
+    step = make_train_step(config, optimizer, shardings=shardings)
 
     def run(n):
         loss = None
-        for i in range(n):
-            x, y = batches[i % len(batches)]
-            state["params"], state["opt"], loss = step(state["params"], state["opt"],
-                                                       x[None], y[None])
+        for i in range(n):  # each batch placed on the mesh per step, as the training loop does
+            x, y = (sharding.put_batch(a[None], mesh, 1) for a in batches[i % len(batches)])
+            state["params"], state["opt"], loss = step(state["params"], state["opt"], x, y)
         return float(loss)  # waits for the last step
 
     run(3)  # compile and warm up
@@ -89,7 +89,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="train steps per side per round")
-    parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
+    parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads; our CPU devices")
     parser.add_argument("--out", default="benchmarks/results/train_vs_torch.json")
     args = parser.parse_args(argv)
 
@@ -99,7 +99,7 @@ def main(argv=None):
         data = rng.integers(0, 65, (12, 65)).astype(np.int32)
         batches.append((data[:, :-1], data[:, 1:]))
     tokens = args.steps * 12 * 64
-    runners = {"jax (ours)": jax_runner(batches, args.steps),
+    runners = {"jax (ours)": jax_runner(batches, args.steps, args.threads),
                "pytorch (GPT2LMHeadModel)": torch_runner(batches, args.steps, args.threads)}
     rates = {name: [] for name in runners}
     for r in range(args.rounds):
@@ -114,6 +114,7 @@ def main(argv=None):
     # gently, so the per-round ratios (and the quietest round) matter more than the medians.
     ratios = [a / b for a, b in zip(*rates.values())]
     result = {"shape": "nanogpt-cpu: L4 N4 D128 T64 B12 V65", "threads": args.threads,
+              "jax_devices": len(__import__("jax").devices()),
               "steps_per_round": args.steps, "tokens_per_s_by_round": rates,
               "ratio_by_round": ratios, "median_tokens_per_s": medians,
               "speedup": ours / theirs}

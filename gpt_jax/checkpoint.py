@@ -160,7 +160,8 @@ def restore(mngr: ocp.CheckpointManager, step: int | None, params_like, opt_stat
 
 
 def load_params(run_dir, step: int | None = None):
-    """`(config, params, tokenizer)` of a run, from its latest (or given) good checkpoint.
+    """`(config, params, tokenizer)` of a run, from its latest (or given) good checkpoint,
+    with the params on the first device (a run saved from a mesh of several devices too).
 
     Raises:
       FileNotFoundError: the directory has no config or no checkpoint.
@@ -176,6 +177,10 @@ def load_params(run_dir, step: int | None = None):
         raise FileNotFoundError(f"{run_dir} has no checkpoint under checkpoints/")
     if step is not None and step not in steps:
         raise ValueError(f"{run_dir} has no checkpoint at step {step}; its steps are {steps}")
-    params_like = jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0))
+    # On this process's first device, whatever mesh the run was trained (and saved) on.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params_like = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+        jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0)))
     params, _, _ = restore(mngr, step, params_like, None)
     return config, params, load_tokenizer(run_dir)

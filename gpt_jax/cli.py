@@ -60,9 +60,11 @@ def demo_main(argv):
         print(f"reusing the trained model in {run_dir} (--retrain to train again)")
     else:
         from gpt_jax.checkpoint import write_json_atomic
-        from training.train import TrainConfig, train
+        from training.train import TrainConfig, split_host, train
 
-        summary = train(TrainConfig(run_dir=str(run_dir), time_budget_s=args.train_seconds))
+        cfg = TrainConfig(run_dir=str(run_dir), time_budget_s=args.train_seconds)
+        split_host(cfg)
+        summary = train(cfg)
         write_json_atomic(summary_path, summary)
     phases["train"] = time.perf_counter() - tick
     print(f"training: {summary['steps']} steps, {summary['tokens_per_s']:,.0f} tokens/s, "

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -15,6 +16,11 @@ N_DEVICES = 4
 
 
 def test_four_device_step_and_generate_match_one_device():
+    import jax
+    import numpy as np
+
+    from gpt_jax import checkpoint, forward
+
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={N_DEVICES}",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
@@ -30,6 +36,14 @@ def test_four_device_step_and_generate_match_one_device():
     assert results["sharded_params"]["param_shards"] == N_DEVICES
     assert results["single_tokens"] == results["sharded_tokens"]
     assert len(set(results["single_tokens"][0])) >= 5  # lively, so a mismatch would show
+    # a run saved from the 4-device mesh (params sharded) loads in this one-device process,
+    # as `generate` loads it (Orbax checks the topology; the saved digests check the values)
+    config, params, _ = checkpoint.load_params(results["run_dir"])
+    assert params["wte"].sharding.device_set == {jax.devices()[0]}
+    assert np.isfinite(np.asarray(forward(params, np.array([[1, 2, 3]]), config))).all()
+    # the default mesh is every device; a batch they do not divide is refused before any work
+    assert results["indivisible_batch"] == [
+        "batch_size 6 must be divisible by the 4 devices of the mesh (set --devices)", False]
 
 
 def _max_diff(a, b):
@@ -86,6 +100,15 @@ def main():
     single = generate(params, config, prompts, greedy)
     split = generate(sharding.put_tree(params, four, True), config, prompts, greedy)
     results["single_tokens"] = [c.tokens for c in single]
+    run_dir = Path(tempfile.mkdtemp()) / "run"
+    try:
+        train.train(train.TrainConfig.preset("tiny", batch_size=6, run_dir=str(run_dir)))
+    except ValueError as error:
+        results["indivisible_batch"] = [str(error), run_dir.exists()]
+    # A short run on all 4 devices, params sharded, for the parent process to load.
+    train.train(train.TrainConfig.preset("tiny", max_steps=2, eval_interval=2, eval_batches=1,
+                                         shard_params=True, run_dir=str(run_dir)))
+    results["run_dir"] = str(run_dir)
     results["sharded_tokens"] = [c.tokens for c in split]
     print(json.dumps(results))
 

@@ -133,7 +133,7 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(corpus, t
     killed_dir, reference_dir = tmp_path / "killed", tmp_path / "reference"
     cmd = [sys.executable, "-m", "training.train", "--preset", "tiny", "--text", str(corpus),
            "--run-dir", str(killed_dir), "--max-steps", str(steps),
-           "--eval-interval", str(every)]
+           "--eval-interval", str(every), "--cpu-devices", "1"]  # as this process: 1 device
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     ckpts = killed_dir / "checkpoints"
@@ -214,9 +214,37 @@ def test_cli_flags_override_the_preset():
     nano = T.TRAIN_PRESETS["nanogpt-cpu"]
     assert (nano.batch_size, nano.block_size, nano.max_steps, nano.learning_rate,
             nano.min_learning_rate, nano.beta2, nano.warmup_steps) == \
-        (12, 64, 2000, 1e-3, 1e-4, 0.99, 100)
+        (12, 64, 2000, 2e-3, 2e-4, 0.99, 100)  # nanoGPT's, at twice its learning rate
     shape = GPTConfig.preset("nanogpt-cpu")
     assert (shape.n_layers, shape.n_heads, shape.d_model, shape.max_seq_len) == (4, 4, 128, 64)
+
+
+@pytest.mark.parametrize("cpu_devices, cores, xla_flags, expected", [
+    (0, 2, "", 2),  # one device per core
+    (0, 8, "", 6),  # the most that divide the batch of 12
+    (0, 5, "", 4),
+    (0, 16, "", 12),  # never more than the batch
+    (3, 2, "", 3),  # asked for: as asked
+    (0, 2, "--xla_force_host_platform_device_count=4", None),  # the user's flag stands
+    (2, 2, "--xla_force_host_platform_device_count=4", 2),
+])
+def test_split_host_picks_devices_that_divide_the_batch(monkeypatch, cpu_devices, cores,
+                                                         xla_flags, expected):
+    calls = []
+    monkeypatch.setattr(T.sharding, "host_cores", lambda: cores)
+    monkeypatch.setattr(T.sharding, "split_host_cpu", calls.append)
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    T.split_host(T.TrainConfig.preset("nanogpt-cpu", cpu_devices=cpu_devices))
+    assert calls == ([] if expected is None else [expected])
+
+
+def test_split_host_cpu_refuses_once_jax_has_started():
+    jax.numpy.zeros(1).block_until_ready()
+    with pytest.raises(RuntimeError, match="jax_num_cpu_devices config should be updated "
+                                           "before backends are initialized"):
+        T.sharding.split_host_cpu(2)
+    with pytest.raises(ValueError, match="n_devices must be >= 1, got 0"):
+        T.sharding.split_host_cpu(0)
 
 
 def test_unknown_preset_or_field_is_refused(capsys):

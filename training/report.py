@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gpt_jax.config import GPTConfig
 
@@ -20,17 +21,19 @@ def flops_per_token(config: GPTConfig, params, block: int) -> float:
     return 6.0 * n + 12.0 * config.n_layers * config.d_model * block
 
 
-def measure_peak_flops(n: int = 1024, reps: int = 5) -> float:
-    """Achieved float32 FLOP/s of an n x n matmul on the default device: the MFU
-    denominator when the device's datasheet peak is not given."""
-    a = jnp.ones((n, n), jnp.float32)
+def measure_peak_flops(mesh: Mesh, n: int = 1024, reps: int = 5) -> float:
+    """Achieved float32 FLOP/s of n x n matmuls, one per device of `mesh`, run together: the
+    MFU denominator when the device's datasheet peak is not given. (Host CPU devices share
+    the cores, so this is the whole host's rate, not one device's times the count.)"""
+    a = jax.device_put(jnp.ones((mesh.devices.size, n, n), jnp.float32),
+                       NamedSharding(mesh, P(mesh.axis_names[0])))
     matmul = jax.jit(lambda a: a @ a)
     matmul(a).block_until_ready()
     tick = time.perf_counter()
     for _ in range(reps):
         out = matmul(a)
     out.block_until_ready()
-    return 2.0 * n**3 * reps / (time.perf_counter() - tick)
+    return 2.0 * n**3 * mesh.devices.size * reps / (time.perf_counter() - tick)
 
 
 def append_metrics(run_dir, record: dict) -> None:

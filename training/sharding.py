@@ -8,17 +8,43 @@ device count divides (ZeRO-3/FSDP style: every device holds 1/n of the weights a
 GSPMD partitioner inserts the all-gathers and reduce-scatters). The jitted step is the same
 program either way; only the shardings of its inputs and outputs change.
 
-Usage (4 CPU devices; the flag must be set before jax is imported):
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m training.train --devices 4
+On the CPU backend one host can be split into several XLA devices (`split_host_cpu`, which
+the training command line applies from `TrainConfig.cpu_devices` before JAX starts): XLA:CPU
+runs one program's ops largely one after another, so on a 2-core machine two half-batch
+programs, one per device, keep both cores busy where one program keeps about one.
+
+Usage (4 CPU devices):
+  python -m training.train --cpu-devices 4 --devices 4
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA = "data"  # the mesh axis the batch (and, optionally, the parameters) are split along
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def split_host_cpu(n_devices: int) -> None:
+    """Expose the host CPU to XLA as `n_devices` devices (`jax_num_cpu_devices`), so a
+    data-parallel mesh over them runs one program per core. Only the CPU backend is affected;
+    accelerators are listed as before.
+
+    Raises:
+      RuntimeError: JAX has already run an operation (the device count is fixed when JAX's
+        backends start, so call this first).
+    """
+    if n_devices < 1:
+        raise ValueError(f"n_devices must be >= 1, got {n_devices}")
+    jax.config.update("jax_num_cpu_devices", n_devices)
 
 
 def make_mesh(n_devices: int = 0) -> Mesh:
