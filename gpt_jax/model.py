@@ -380,15 +380,31 @@ def lm_head(params: Params, x_TD: jax.Array, config: GPTConfig) -> jax.Array:
     return jnp.einsum("...D,VD->...V", h, params["wte"], preferred_element_type=jnp.float32)
 
 
+def _project_qkv(p: Params, x_TD: jax.Array):
+    """`(q [..., N, H], k [..., K, H], v [..., K, H])` as ONE matmul with the three weights
+    side by side, `[D, (N + 2K) * H]` (or `OutputMajor` ones stacked by rows): on CPU one
+    wider product beats three narrow ones, forward and backward (nanogpt-cpu train step
+    ~4% faster). The concatenation copies `3 * D * N * H` weights per call: the training
+    path's choice, where the matmul rows (B * T) dwarf it."""
+    names = ("w_q", "w_k", "w_v")
+    if isinstance(p["w_q"], OutputMajor):
+        w = OutputMajor(jnp.concatenate([p[n].w_OI for n in names], axis=0))
+    else:
+        w = jnp.concatenate([p[n].reshape(p[n].shape[0], -1) for n in names], axis=1)
+    b = jnp.concatenate([p[n].reshape(-1) for n in ("b_q", "b_k", "b_v")])
+    (N, H), K = p["b_q"].shape, p["b_k"].shape[0]
+    q, k, v = jnp.split(linear(x_TD, w, b), [N * H, (N + K) * H], axis=-1)
+    lead = x_TD.shape[:-1]
+    return q.reshape(*lead, N, H), k.reshape(*lead, K, H), v.reshape(*lead, K, H)
+
+
 def causal_self_attention(p: Params, x_BTD: jax.Array) -> jax.Array:
     """Causal self-attention over whole sequences, no cache: `[B, T, D]` -> `[B, T, D]`.
 
     Forms the `[T, T]` score matrix per head (`attend`), which at training lengths is cheaper
     than the blockwise loop of `attend_cached` and differentiates as one program.
     """
-    q_BTNH = _project_heads(x_BTD, p["w_q"], p["b_q"])
-    k_BTKH = _project_heads(x_BTD, p["w_k"], p["b_k"])
-    v_BTKH = _project_heads(x_BTD, p["w_v"], p["b_v"])
+    q_BTNH, k_BTKH, v_BTKH = _project_qkv(p, x_BTD)
     T = x_BTD.shape[1]
     causal_TS = jnp.tril(jnp.ones((T, T), bool))
     out_BTNH = jax.vmap(attend, in_axes=(0, 0, 0, None))(q_BTNH, k_BTKH, v_BTKH, causal_TS)
