@@ -124,7 +124,7 @@ class TrainConfig:
 
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     # `make demo`: the built-in plays, nanoGPT's CPU recipe (12 x 64 tokens per step) at twice its
-    # learning rate; about 4000 steps fit the 450 s budget on 2 idle cores (3961 measured).
+    # learning rate; 4000 steps take ~325 s of the 450 s budget on 2 idle cores (2 devices).
     # `cli demo` trains TrainConfig() itself, so this preset is the class defaults.
     "shakespeare-char": TrainConfig(),
     # nanoGPT's config/train_shakespeare_char.py with its README's CPU overrides
