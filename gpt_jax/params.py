@@ -6,13 +6,14 @@ along a leading L axis so the layers run as one `lax.scan`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params
+from gpt_jax.model import Params, decode_layout
 
 
 def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> Params:
@@ -65,3 +66,32 @@ def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> Params:
 def param_count(params: Params) -> int:
     """Total number of scalars (the tied output projection counted once)."""
     return sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+
+@functools.lru_cache(maxsize=32)
+def _expected_shapes(config: GPTConfig, laid_out: bool):
+    shapes = jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0))
+    return jax.eval_shape(decode_layout, shapes) if laid_out else shapes
+
+
+def check_params(params: Params, config: GPTConfig) -> None:
+    """Check that `params` (stacked, or in `decode_layout`) have the shapes `config` implies.
+
+    Raises:
+      ValueError: naming the first parameter whose path or shape differs, with the shape the
+        config expects (for example a d_model, vocab_size or n_heads that does not match the
+        weights), before anything is traced with them.
+    """
+    laid_out = isinstance(params.get("blocks"), tuple)
+    expected = jax.tree_util.tree_flatten_with_path(_expected_shapes(config, laid_out))[0]
+    actual = jax.tree_util.tree_flatten_with_path(params)[0]
+    got = {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in actual}
+    for path, leaf in expected:
+        name = jax.tree_util.keystr(path)
+        if got.get(name) != tuple(leaf.shape):
+            raise ValueError(
+                f"params{name} has shape {got.get(name, 'missing')}, but the config expects "
+                f"{tuple(leaf.shape)} (d_model={config.d_model}, n_heads={config.n_heads}, "
+                f"kv_heads={config.kv_heads}, n_layers={config.n_layers}, vocab_size="
+                f"{config.vocab_size}, max_seq_len={config.max_seq_len}): do the config and "
+                "the params belong together?")

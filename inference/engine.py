@@ -32,6 +32,7 @@ from flax import struct
 from gpt_jax.cache import CACHE_BATCH_AXES, KVCache
 from gpt_jax.config import GPTConfig
 from gpt_jax.model import Params, decode_layout, lm_head, transformer
+from gpt_jax.params import check_params
 from inference import stopping
 from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, sample
 
@@ -324,7 +325,10 @@ class Completion:
 
     tokens: list[int]  # generated token ids (an EOS that ended the row included)
     finish_reason: str  # "eos", "stop" or "length"
-    seed: int  # the seed used; pass it back in SamplingParams to repeat the sample
+    # The request's seed: passed back in SamplingParams (same n) it repeats the sample. With
+    # n > 1 the request's completions are its samples 0..n-1 in order, and sample k draws from
+    # that seed folded with k (`sampling.row_keys`): all n share the seed, not the draws.
+    seed: int
     logprobs: list[float] | None = None  # model log-prob of each token (raw logits)
     top_logprobs: list[dict[int, float]] | None = None  # the `logprobs` most likely per step
 
@@ -396,7 +400,8 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
         if not prompt:
             if bos_token_id is None and sp.max_new_tokens > 0:
                 raise ValueError(
-                    f"prompt {index} is empty; pass bos_token_id to start it from BOS"
+                    f"prompt {index} is empty; a prompt needs at least one token (pass "
+                    "bos_token_id to inference.generate to start empty prompts from BOS)"
                 )
             prompt = [] if bos_token_id is None else [int(bos_token_id)]
         ids = prompt + list(sp.stop_token_ids) + [t for q in sp.stop_sequences for t in q]
@@ -494,6 +499,7 @@ def mark_stopped(state: DecodeState, rows: list[int]) -> DecodeState:
 def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_id=0,
         cache_dtype=jnp.float32) -> list[Completion]:
     """Validate, pack, run one compiled generation program, unpack."""
+    check_params(params, config)
     prompts, sampling = validate(config, prompts, sampling, bos_token_id)
     if any(sp.stop for sp in sampling):
         raise ValueError("stop strings need a tokenizer: use inference.LLM for them")
@@ -522,7 +528,8 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
     Returns:
       One Completion per prompt and sample, in input order.
     Raises:
-      ValueError: before anything is compiled, for any invalid request (see `validate`).
+      ValueError: before anything is compiled, for any invalid request (see `validate`) or
+        params whose shapes do not match `config` (see `gpt_jax.params.check_params`).
     """
     return run(params, config, prompts, sampling, model_fns=cached_model,
                bos_token_id=bos_token_id, pad_id=pad_id, cache_dtype=cache_dtype)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from gpt_jax import checkpoint
 from gpt_jax.model import decode_layout
+from gpt_jax.params import check_params
 from inference import engine, stopping
 from inference.sampling import SamplingParams
 
@@ -83,23 +84,29 @@ DTYPES = ("float32", "bfloat16")
 class LLM:
     """A model, its config and tokenizer, generating text.
 
-    `dtype="bfloat16"` stores the weights and the KV cache in bfloat16 (half the bytes a
+    `dtype="bfloat16"` (or `jnp.bfloat16`) stores the weights and the KV cache in bfloat16 (half the bytes a
     memory-bound decode step reads); LayerNorm, softmax, attention accumulators and logits
-    stay float32 inside the model. Raises ValueError for any other dtype than `DTYPES`.
+    stay float32 inside the model. Raises ValueError for any other dtype than `DTYPES`, or
+    for params whose shapes do not match `config` (`gpt_jax.params.check_params`).
     `params` are kept in the decode layout (`gpt_jax.model.decode_layout`), made once here.
     """
 
-    def __init__(self, params, config, tokenizer, dtype: str = "float32"):
-        if dtype not in DTYPES:
+    def __init__(self, params, config, tokenizer, dtype="float32"):
+        try:
+            name = jnp.dtype(dtype).name  # "bfloat16" and jnp.bfloat16 alike
+        except TypeError:
+            name = dtype
+        if name not in DTYPES:
             raise ValueError(f"LLM dtype must be one of {DTYPES}, got {dtype!r}")
-        self.cache_dtype = jnp.dtype(dtype)
+        self.cache_dtype = jnp.dtype(name)
+        check_params(params, config)
         # The decode layout once, here: inside each compiled call it would copy every weight.
         self.params = jax.jit(decode_layout)(
             jax.tree.map(lambda a: a.astype(self.cache_dtype), params))
         self.config, self.tokenizer = config, tokenizer
 
     @classmethod
-    def from_checkpoint(cls, run_dir, step: int | None = None, dtype: str = "float32") -> LLM:
+    def from_checkpoint(cls, run_dir, step: int | None = None, dtype="float32") -> LLM:
         """Load the latest (or given) checkpoint of a training run directory."""
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
         return cls(params, config, tokenizer, dtype)

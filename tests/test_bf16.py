@@ -62,6 +62,10 @@ def test_bfloat16_greedy_tokens_mostly_equal_float32():
     assert all(a == b for a, b in first), first
 
 
-def test_unknown_dtype_is_refused():
+def test_unknown_dtype_is_refused_and_a_dtype_object_is_taken_as_its_name():
     with pytest.raises(ValueError, match="LLM dtype must be one of .*'float16'"):
         LLM(lively_params(CONFIG), CONFIG, Chars(), dtype="float16")
+    with pytest.raises(ValueError, match="LLM dtype must be one of .*'int8'"):
+        LLM(lively_params(CONFIG), CONFIG, Chars(), dtype="int8")
+    llm = LLM(lively_params(CONFIG), CONFIG, Chars(), dtype=jnp.bfloat16)
+    assert llm.cache_dtype == jnp.bfloat16 and llm.params["wte"].dtype == jnp.bfloat16

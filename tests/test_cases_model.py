@@ -293,7 +293,8 @@ def test_g18_sampling_changes_within_a_bucket_never_recompile(config, params):
 def test_g19_empty_prompt_raises_before_compiling_unless_bos_is_given(config, params):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
     before = compile_counts()
-    with pytest.raises(ValueError, match="prompt 0 is empty; pass bos_token_id to start it from BOS"):
+    with pytest.raises(ValueError, match=r"prompt 0 is empty; a prompt needs at least one token "
+                                         r"\(pass bos_token_id to inference.generate"):
         generate(params, config, [[]], greedy)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         generate(params, config, [[], [1, 2, 3]], greedy)

@@ -65,3 +65,28 @@ def test_out_of_vocabulary_prompt_token_raises(config, params):
 def test_non_integer_prompt_token_raises(config, params):
     with pytest.raises(ValueError, match=r"prompt 1: token id 1.7 is not an integer"):
         generate(params, config, [[1], [1.7]], GREEDY)
+
+
+def test_params_that_do_not_match_the_config_are_refused_before_compiling(config, params):
+    from gpt_jax.model import decode_layout
+    from gpt_jax.params import check_params
+    from inference.llm import LLM
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
+    before = compile_counts()
+    with pytest.raises(ValueError, match=r"params\['wte'\] has shape \(64, 32\), but the config "
+                                         r"expects \(65, 32\) \(d_model=32, .*vocab_size=65"):
+        generate(params, config.replace(vocab_size=65), [[1, 2]], greedy)
+    with pytest.raises(ValueError, match=r"params\['blocks'\]\['attn'\]\['b_k'\] has shape "
+                                         r"\(2, 2, 16\), but the config expects \(2, 4, 8\)"):
+        naive_generate(params, config.replace(n_heads=4), [[1, 2]], greedy)
+    laid_out = decode_layout(params)  # the decode layout is checked in its own shapes
+    with pytest.raises(ValueError, match=r"params\['blocks'\]\[0\]\['attn'\]\['b_k'\] has "
+                                         r"shape \(2, 16\), but the config expects \(1, 16\)"):
+        generate(laid_out, config.replace(n_kv_heads=1), [[1, 2]], greedy)
+    with pytest.raises(ValueError, match=r"params\['wpe'\] has shape \(128, 32\), but the "
+                                         r"config expects \(64, 32\)"):
+        LLM(params, config.replace(max_seq_len=64), tokenizer=None)
+    assert compile_counts() == before
+    check_params(params, config)  # matching params, in either layout, pass
+    check_params(laid_out, config)
