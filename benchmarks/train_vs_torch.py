@@ -9,9 +9,9 @@ Both sides train the same shape (4 layers, 4 heads, d_model 128, block 64, batch
 global-norm clipping at 1.0 and no dropout, on the same random token batches. PyTorch runs
 `transformers.GPT2LMHeadModel` in eager mode with `torch.set_num_threads(threads)`; JAX runs
 our jitted, donated train step as `python -m training.train` does: the host split into
-`threads` CPU devices (`TrainConfig.cpu_devices`), the batch data-parallel over them. The two alternate in rounds, so a busy machine slows both
-alike; the table reports tokens/s per round and the ratio of the medians. Compilation and
-warm-up steps are not timed.
+`threads` CPU devices (`TrainConfig.cpu_devices`), the batch data-parallel over them. The
+two alternate in rounds, so a busy machine slows both alike; the table reports tokens/s per
+round and the ratio of the medians. Compilation and warm-up steps are not timed.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="train steps per side per round")
-    parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads; our CPU devices")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="PyTorch intra-op threads, and our CPU devices")
     parser.add_argument("--out", default="benchmarks/results/train_vs_torch.json")
     args = parser.parse_args(argv)
 

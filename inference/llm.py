@@ -84,10 +84,11 @@ DTYPES = ("float32", "bfloat16")
 class LLM:
     """A model, its config and tokenizer, generating text.
 
-    `dtype="bfloat16"` (or `jnp.bfloat16`) stores the weights and the KV cache in bfloat16 (half the bytes a
-    memory-bound decode step reads); LayerNorm, softmax, attention accumulators and logits
-    stay float32 inside the model. Raises ValueError for any other dtype than `DTYPES`, or
-    for params whose shapes do not match `config` (`gpt_jax.params.check_params`).
+    `dtype="bfloat16"` (or `jnp.bfloat16`) stores the weights and the KV cache in bfloat16
+    (half the bytes a memory-bound decode step reads); LayerNorm, softmax, attention
+    accumulators and logits stay float32 inside the model. Raises ValueError for any other
+    dtype than `DTYPES`, or for params whose shapes do not match `config`
+    (`gpt_jax.params.check_params`).
     `params` are kept in the decode layout (`gpt_jax.model.decode_layout`), made once here.
     """
 

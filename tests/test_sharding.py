@@ -43,7 +43,8 @@ def test_four_device_step_and_generate_match_one_device():
     assert np.isfinite(np.asarray(forward(params, np.array([[1, 2, 3]]), config))).all()
     # the default mesh is every device; a batch they do not divide is refused before any work
     assert results["indivisible_batch"] == [
-        "batch_size 6 must be divisible by the 4 devices of the mesh (set --devices)", False]
+        "batch_size 6 must be divisible by the 4 devices of the mesh (set --devices, or "
+        "--cpu-devices on CPU)", False]
 
 
 def _max_diff(a, b):

@@ -39,6 +39,7 @@ def split_host_cpu(n_devices: int) -> None:
     accelerators are listed as before.
 
     Raises:
+      ValueError: `n_devices` < 1.
       RuntimeError: JAX has already run an operation (the device count is fixed when JAX's
         backends start, so call this first).
     """

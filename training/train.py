@@ -89,7 +89,8 @@ class TrainConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
         for name in ("block_size", "warmup_steps", "time_budget_s", "min_learning_rate",
-                     "weight_decay", "grad_clip", "sample_tokens", "devices", "cpu_devices", "peak_flops"):
+                     "weight_decay", "grad_clip", "sample_tokens", "devices", "cpu_devices",
+                     "peak_flops"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("val_fraction", "beta1", "beta2"):
@@ -338,7 +339,8 @@ def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
     mesh = sharding.make_mesh(cfg.devices)
     if cfg.batch_size % mesh.devices.size:
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the "
-                         f"{mesh.devices.size} devices of the mesh (set --devices)")
+                         f"{mesh.devices.size} devices of the mesh (set --devices, or "
+                         "--cpu-devices on CPU)")
     config, tokenizer, batches = prepare_run(cfg)
     cfg = dataclasses.replace(cfg, block_size=batches.block)
     optimizer = make_optimizer(cfg)
