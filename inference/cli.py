@@ -17,6 +17,7 @@ decode tokens/s and the KV cache size of the batch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -31,12 +32,17 @@ from inference.llm import DTYPES, LLM
 from inference.sampling import SamplingParams
 
 
+DEFAULT_MAX_NEW_TOKENS = 200
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", default="runs/shakespeare-char", help="training run directory")
     p.add_argument("--prompt", action="append", help="text prompt (repeatable)")
     s = p.add_argument_group("sampling (inference.SamplingParams)")
-    s.add_argument("--max-new-tokens", type=int, default=200)
+    s.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"default: {DEFAULT_MAX_NEW_TOKENS}, or what the model's context "
+                        "leaves after the longest prompt if that is less")
     s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
     s.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -70,7 +76,8 @@ def sampling_from_args(args) -> SamplingParams:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, stop_token_ids=args.stop_token_id,
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None
+        else args.max_new_tokens, stop_token_ids=args.stop_token_id,
         stop=[s.replace("\\n", "\n") for s in args.stop], stop_sequences=args.stop_sequence,
         logprobs=args.logprobs, n=args.n,
     )
@@ -192,8 +199,13 @@ def main(argv=None):
     args = parse_args(argv)
     prompts = [p.replace("\\n", "\n") for p in (args.prompt or ["\n"])]
     try:
-        sampling = sampling_from_args(args)
+        sampling = sampling_from_args(args)  # every flag checked before loading
         llm = load_llm(args)
+        if args.max_new_tokens is None:  # the default: what fits the model's context
+            longest = max(len(p) for p in args.prompt_ids) if args.prompt_ids else \
+                max(len(llm.tokenizer.encode(p)) for p in prompts)
+            sampling = dataclasses.replace(sampling, max_new_tokens=max(
+                0, min(DEFAULT_MAX_NEW_TOKENS, llm.config.max_seq_len - longest)))
         # Check every request before printing anything, so a bad one is a one-line error.
         if not args.prompt_ids:
             validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling)

@@ -195,6 +195,14 @@ def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
         rule + p + e.text + "\n" for p, e in zip(prompts, expected)) + rule
 
 
+def test_default_max_new_tokens_fits_the_models_context(llm, config, monkeypatch, capsys):
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
+    cli.main(["--prompt", PROMPT, "--temperature", "0", "--json"])  # 200 would not fit in 128
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["finish_reason"] == "length"
+    assert len(row["tokens"]) == config.max_seq_len - len(PIECES.encode(PROMPT)) < 200
+
+
 def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
     monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: pytest.fail("loaded"))
     with pytest.raises(SystemExit, match=r"SamplingParams.top_p=1.5 is out of range; allowed: \[0, 1\]"):

@@ -219,6 +219,25 @@ def test_cli_flags_override_the_preset():
     assert (shape.n_layers, shape.n_heads, shape.d_model, shape.max_seq_len) == (4, 4, 128, 64)
 
 
+def test_run_dir_alone_resumes_with_the_runs_saved_config(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    started = T.TrainConfig.preset("nanogpt-cpu", text="my.txt", run_dir=str(run_dir),
+                                   max_steps=300, block_size=64)
+    (run_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(started)))
+    # what the READMEs show: --run-dir alone (here with --max-steps to extend the run)
+    assert T.config_from_args(["--run-dir", str(run_dir), "--max-steps", "400"]) == \
+        dataclasses.replace(started, max_steps=400)
+    # an explicit preset is still the base it names
+    assert T.config_from_args(["--preset", "tiny", "--run-dir", str(run_dir)]) == \
+        T.TrainConfig.preset("tiny", run_dir=str(run_dir))
+
+
+def test_command_line_input_errors_are_one_line():
+    with pytest.raises(SystemExit, match=r"^train: TrainConfig.grad_accum must be > 0, got 0$"):
+        T.main(["--preset", "tiny", "--grad-accum", "0"])
+
+
 @pytest.mark.parametrize("cpu_devices, cores, xla_flags, expected", [
     (0, 2, "", 2),  # one device per core
     (0, 8, "", 6),  # the most that divide the batch of 12

@@ -323,11 +323,13 @@ def start_or_resume(cfg, config, tokenizer, params, opt_state, mngr):
         step, elapsed = int(meta["step"]), float(meta.get("elapsed_s", 0.0))
         report.truncate_metrics(run_dir, step)  # drop evaluations logged after it
         print(f"resuming {run_dir} from step {step}")
-        return params, opt_state, step, elapsed
-    checkpoint.save_config(run_dir, config)
-    checkpoint.save_tokenizer(run_dir, tokenizer)
+    else:
+        checkpoint.save_config(run_dir, config)
+        checkpoint.save_tokenizer(run_dir, tokenizer)
+        step, elapsed = 0, 0.0
+    # Rewritten on resume too: it is what a later `--run-dir DIR` alone resumes with.
     checkpoint.write_json_atomic(run_dir / "train_config.json", dataclasses.asdict(cfg))
-    return params, opt_state, 0, 0.0
+    return params, opt_state, step, elapsed
 
 
 def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
@@ -461,19 +463,31 @@ def parser_for(cls, defaults: bool = True) -> argparse.ArgumentParser:
 
 
 def config_from_args(argv=None) -> TrainConfig:
-    """`--preset NAME` (default shakespeare-char) plus field overrides."""
+    """The flags given, over `--preset NAME`; without `--preset`, over the run directory's
+    saved `train_config.json` when it has one (so `--run-dir DIR` alone resumes that run as it
+    was started, and `--max-steps N` extends it), else over the shakespeare-char preset."""
     parser = parser_for(TrainConfig, defaults=False)
-    parser.add_argument("--preset", default="shakespeare-char",
-                        help=f"one of {sorted(TRAIN_PRESETS)}")
+    parser.add_argument("--preset", default=None,
+                        help=f"one of {sorted(TRAIN_PRESETS)}; default: the run directory's "
+                             "saved train_config.json, else shakespeare-char")
     args = vars(parser.parse_args(argv))
     name = args.pop("preset")
-    return TrainConfig.preset(name, **{k: v for k, v in args.items() if v is not None})
+    overrides = {k: v for k, v in args.items() if v is not None}
+    saved = Path(overrides.get("run_dir", TrainConfig().run_dir)) / "train_config.json"
+    if name is None and saved.exists():
+        fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        base = {k: v for k, v in json.loads(saved.read_text()).items() if k in fields}
+        return dataclasses.replace(TrainConfig(**base), **overrides)
+    return TrainConfig.preset(name or "shakespeare-char", **overrides)
 
 
 def main(argv=None):
-    cfg = config_from_args(argv)
-    split_host(cfg)
-    summary = train(cfg)
+    try:
+        cfg = config_from_args(argv)
+        split_host(cfg)
+        summary = train(cfg)
+    except (ValueError, FileNotFoundError) as error:  # bad input: a one-line error
+        raise SystemExit(f"train: {error}") from None
     print(json.dumps(summary, indent=2))
 
 
