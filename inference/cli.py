@@ -204,8 +204,8 @@ def main(argv=None):
         if args.max_new_tokens is None:  # the default: what fits the model's context
             longest = max(len(p) for p in args.prompt_ids) if args.prompt_ids else \
                 max(len(llm.tokenizer.encode(p)) for p in prompts)
-            sampling = dataclasses.replace(sampling, max_new_tokens=max(
-                0, min(DEFAULT_MAX_NEW_TOKENS, llm.config.max_seq_len - longest)))
+            sampling = dataclasses.replace(sampling, max_new_tokens=max(  # >= 1: a full
+                1, min(DEFAULT_MAX_NEW_TOKENS, llm.config.max_seq_len - longest)))  # prompt errs
         # Check every request before printing anything, so a bad one is a one-line error.
         if not args.prompt_ids:
             validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling)

@@ -201,6 +201,9 @@ def test_default_max_new_tokens_fits_the_models_context(llm, config, monkeypatch
     (row,) = json.loads(capsys.readouterr().out)
     assert row["finish_reason"] == "length"
     assert len(row["tokens"]) == config.max_seq_len - len(PIECES.encode(PROMPT)) < 200
+    full = PIECES.decode([5] * config.max_seq_len)  # no room left: an error, not 0 tokens
+    with pytest.raises(SystemExit, match=r"prompt length 128 \+ max_new_tokens 1 = 129 exceeds"):
+        cli.main(["--prompt", full])
 
 
 def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
