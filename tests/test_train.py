@@ -233,6 +233,18 @@ def test_run_dir_alone_resumes_with_the_runs_saved_config(tmp_path):
         T.TrainConfig.preset("tiny", run_dir=str(run_dir))
 
 
+def test_help_documents_every_field_from_its_comment(capsys):
+    with pytest.raises(SystemExit):
+        T.config_from_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--cpu-devices CPU_DEVICES CPU backend: XLA devices the host is split into by the " \
+           "command line, before JAX starts (one program per core; see training/sharding.py); " \
+           "0 = one per core, as many as divide batch_size (shakespeare-char: 0)" in out
+    assert "--learning-rate LEARNING_RATE peak AdamW learning rate (shakespeare-char: 0.002)" \
+        in out
+    assert "--beta1 BETA1 (shakespeare-char: 0.9)" in out  # no comment: the default alone
+
+
 def test_command_line_input_errors_are_one_line():
     with pytest.raises(SystemExit, match=r"^train: TrainConfig.grad_accum must be > 0, got 0$"):
         T.main(["--preset", "tiny", "--grad-accum", "0"])

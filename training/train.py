@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
+import re
 import sys
 import time
 import types
@@ -450,15 +452,39 @@ def _flag_type(annotation):
     return kind
 
 
+def _field_comments(cls) -> dict[str, str]:
+    """Each dataclass field's trailing `# comment` in the class source, with the comment-only
+    lines that continue it: the fields' documentation, reused as flag help."""
+    try:
+        source = inspect.getsource(cls)
+    except OSError:  # installed without sources: flags without help
+        return {}
+    comments, name = {}, None
+    for line in source.splitlines():
+        field = re.match(r"\s+(\w+): [^#]*#\s*(.*)$", line)
+        more = re.match(r"\s+#\s*(.*)$", line)
+        if field:
+            name, comments[field.group(1)] = field.group(1), field.group(2)
+        elif more and name:
+            comments[name] += " " + more.group(1)
+        else:
+            name = None
+    return comments
+
+
 def parser_for(cls, defaults: bool = True) -> argparse.ArgumentParser:
-    """An argparse parser with one `--field-name` flag per dataclass field. With
-    `defaults=False` every flag defaults to None, so only the flags given are overrides."""
+    """An argparse parser with one `--field-name` flag per dataclass field, its help the
+    field's comment and class default (the shakespeare-char preset). With `defaults=False` every flag defaults to None, so
+    only the flags given are overrides."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    comments = _field_comments(cls)
     for field in dataclasses.fields(cls):
         parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
                             type=_flag_type(field.type),
-                            default=field.default if defaults else None)
+                            default=field.default if defaults else None,
+                            help=f"{comments.get(field.name, '')} (shakespeare-char: "
+                                 f"{field.default!r})".strip().replace("%", "%%"))
     return parser
 
 
