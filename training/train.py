@@ -474,8 +474,8 @@ def _field_comments(cls) -> dict[str, str]:
 
 def parser_for(cls, defaults: bool = True) -> argparse.ArgumentParser:
     """An argparse parser with one `--field-name` flag per dataclass field, its help the
-    field's comment and class default (the shakespeare-char preset). With `defaults=False` every flag defaults to None, so
-    only the flags given are overrides."""
+    field's comment and class default (the shakespeare-char preset). With `defaults=False`
+    every flag defaults to None, so only the flags given are overrides."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     comments = _field_comments(cls)
