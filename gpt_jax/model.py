@@ -381,21 +381,19 @@ def lm_head(params: Params, x_TD: jax.Array, config: GPTConfig) -> jax.Array:
 
 
 def _project_qkv(p: Params, x_TD: jax.Array):
-    """`(q [..., N, H], k [..., K, H], v [..., K, H])` as ONE matmul with the three weights
-    side by side, `[D, (N + 2K) * H]` (or `OutputMajor` ones stacked by rows): on CPU one
-    wider product beats three narrow ones, forward and backward (nanogpt-cpu train step
-    ~4% faster). The concatenation copies `3 * D * N * H` weights per call: the training
-    path's choice, where the matmul rows (B * T) dwarf it."""
+    """`(q [..., N, H], k [..., K, H], v [..., K, H])` as ONE `_project_heads` matmul over the
+    three weights side by side, `[D, N + 2K, H]` (`OutputMajor` ones stacked by rows): on CPU
+    one wider product beats three narrow ones, forward and backward (nanogpt-cpu train step
+    ~3% faster). The concatenation copies the three weights per call: the training path's
+    choice, where the matmul rows (B * T) dwarf them."""
     names = ("w_q", "w_k", "w_v")
     if isinstance(p["w_q"], OutputMajor):
         w = OutputMajor(jnp.concatenate([p[n].w_OI for n in names], axis=0))
     else:
-        w = jnp.concatenate([p[n].reshape(p[n].shape[0], -1) for n in names], axis=1)
-    b = jnp.concatenate([p[n].reshape(-1) for n in ("b_q", "b_k", "b_v")])
-    (N, H), K = p["b_q"].shape, p["b_k"].shape[0]
-    q, k, v = jnp.split(linear(x_TD, w, b), [N * H, (N + K) * H], axis=-1)
-    lead = x_TD.shape[:-1]
-    return q.reshape(*lead, N, H), k.reshape(*lead, K, H), v.reshape(*lead, K, H)
+        w = jnp.concatenate([p[n] for n in names], axis=1)
+    b = jnp.concatenate([p["b_q"], p["b_k"], p["b_v"]])
+    N, K = p["b_q"].shape[0], p["b_k"].shape[0]
+    return tuple(jnp.split(_project_heads(x_TD, w, b), [N, N + K], axis=-2))
 
 
 def causal_self_attention(p: Params, x_BTD: jax.Array) -> jax.Array:
