@@ -34,7 +34,7 @@ import numpy as np
 from gpt_jax import GPTConfig, init_params
 from gpt_jax.model import decode_layout
 from inference import SamplingParams, compile_counts, generate, naive_generate
-from inference.engine import LoopCache, cached_model
+from inference.engine import LoopCache, cached_model, page
 from inference.naive import naive_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -212,23 +212,30 @@ def throughput(args) -> None:
 
 
 def decode_runner(params, config, batch, capacity, live, steps=8):
-    """A zero-argument function running `steps` cached decode steps with every row at `live`
-    tokens; the steps do not advance, so the live length stays fixed. The cache takes the
-    dtype of the params."""
+    """A zero-argument function running `steps` cached decode steps, as the generation loop
+    runs them (paged cache, greedy token fed back), with every row at `live` tokens; the
+    steps do not advance, so the live length stays fixed. The cache takes the dtype of the
+    params. Each step's logits pick the next tokens: left unused, XLA would drop the output
+    projection and the last layer's attention as dead code."""
     shape = (batch, config.n_layers, config.kv_heads, capacity, config.head_dim)
     dtype = params["wte"].dtype
 
     @jax.jit
     def run(params, cache):  # params as an argument: closed over, XLA would fold 500 MB
         _, step_fn = cached_model(params, config, capacity, dtype)
-        tokens = jnp.zeros((batch,), jnp.int32)
         hold = jnp.zeros((batch,), bool)
-        body = lambda c, _: (step_fn(tokens, c, hold)[1], None)  # noqa: E731
-        return jax.lax.scan(body, cache, None, length=steps)[0]
 
-    cache = LoopCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                      lengths=jnp.full((batch,), live, jnp.int32),
-                      overflow=jnp.zeros((batch,), bool))
+        def body(carry, _):
+            tokens, cache = carry
+            logits, cache = step_fn(tokens, cache, hold)
+            return (jnp.argmax(logits, axis=-1).astype(jnp.int32), cache), None
+
+        start = (jnp.zeros((batch,), jnp.int32), cache)
+        return jax.lax.scan(body, start, None, length=steps)[0]
+
+    cache = page(LoopCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                           lengths=jnp.full((batch,), live, jnp.int32),
+                           overflow=jnp.zeros((batch,), bool)))
     return lambda: run(params, cache)
 
 

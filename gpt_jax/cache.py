@@ -105,3 +105,47 @@ def read(buf_KSH: jax.Array, start, size: int) -> tuple[jax.Array, jax.Array]:
     ok = _window_ok(start, size, buf_KSH.shape[1], "read")
     window = jax.lax.dynamic_slice_in_dim(buf_KSH, jnp.where(ok, start, 0), size, axis=1)
     return jnp.where(ok, window, jnp.zeros_like(window)), ok
+
+
+# ------------------------------------------------------------------------------ pages
+#
+# The generation loop keeps each layer's cache as a tuple of pages: separate buffers of
+# `page` consecutive slots, `[K, P, H]` per row (the last page may be shorter). Attention
+# then hands a live page straight to its matmuls. A block cut out of one `[.., S, ..]` buffer
+# is a slice, which XLA:CPU copies before every matmul that reads it (at batch 32 the copies
+# took as long as the attention itself); a page is a whole buffer, and is never copied.
+
+
+def page_spans(capacity: int, page: int) -> list[tuple[int, int]]:
+    """`(first slot, size)` of each page of a `capacity`-slot row: `page` slots each, the
+    last one shorter when `page` does not divide `capacity`."""
+    return [(lo, min(page, capacity - lo)) for lo in range(0, capacity, page)]
+
+
+def split_pages(buf_KSH: jax.Array, page: int, axis: int = 1) -> tuple[jax.Array, ...]:
+    """The slots of `buf_KSH` (along `axis`) as a tuple of pages (copies, made once)."""
+    return tuple(jax.lax.slice_in_dim(buf_KSH, lo, lo + size, axis=axis)
+                 for lo, size in page_spans(buf_KSH.shape[axis], page))
+
+
+def write_page_slot(pages_KPH: tuple[jax.Array, ...], new_1KH: jax.Array, start):
+    """Write ONE new key (or value) `new_1KH` into slot `start` of a row's paged cache.
+
+    Returns `(pages, ok)`: every page is written (the page holding `start` gets the new
+    entry, the others their own slot back), so the update is the same for every row of a
+    vmapped batch; `ok` is False when `start` lies outside the row (nothing changes), and a
+    concrete out-of-range `start` raises ValueError.
+    """
+    capacity = sum(p.shape[1] for p in pages_KPH)
+    ok = _window_ok(start, 1, capacity, "write")
+    new_KH = new_1KH[0]
+    written, lo = [], 0
+    for page_KPH in pages_KPH:
+        size = page_KPH.shape[1]
+        here = ok & (start >= lo) & (start < lo + size)
+        slot = jnp.clip(start - lo, 0, size - 1)
+        old_KH = jax.lax.dynamic_index_in_dim(page_KPH, slot, axis=1, keepdims=False)
+        entry_KH = jnp.where(here, new_KH.astype(page_KPH.dtype), old_KH)
+        written.append(jax.lax.dynamic_update_index_in_dim(page_KPH, entry_KH, slot, axis=1))
+        lo += size
+    return tuple(written), ok

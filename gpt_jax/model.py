@@ -10,14 +10,15 @@ Shape alphabet, used in einsum strings and variable suffixes everywhere in this 
   B batch, T query length, S cache/key length, D d_model, N query heads, K kv heads,
   G query heads per kv head (N = K * G), H head dim, F MLP hidden width, V vocab, L layers.
 
-Two paths share every layer function except the attention core: `transformer` runs T new
+Three paths share every layer function except the attention core: `transformer` runs T new
 tokens of one sequence against that sequence's KV cache (blockwise attention that reads only
 the live cache), writing their keys and values at the row's current length; `inference.engine`
-vmaps it as prefill and decode over padded batches. `forward` runs whole sequences with no
-cache and a plain masked attention: the training path, and the reference the cached path is
-tested against. Inference runs the weights in `decode_layout` (layers unstacked, block
-matrices `OutputMajor`); every function here takes either layout. Definitions go from
-leaves to root.
+vmaps it as prefill and decode over padded batches. `decode_paged` runs one new token against
+a paged cache (`gpt_jax.cache.split_pages`), the layout of the generation loop. `forward` runs
+whole sequences with no cache and a plain masked attention: the training path, and the
+reference the cached paths are tested against. Inference runs the weights in `decode_layout`
+(layers unstacked, block matrices `OutputMajor`); every function but `decode_paged` takes
+either layout. Definitions go from leaves to root.
 """
 
 from __future__ import annotations
@@ -161,6 +162,31 @@ def _online_softmax_block(state, q_TKGH, k_KSH, v_KSH, mask_TS):
     return new_max_KGT, sum_KGT * rescale_KGT + probs_KGTS.sum(-1), acc_KGTH
 
 
+def _attend_pages(state, q_TKGH, k_pages, v_pages, length, bound):
+    """Fold in slots [0, length) of a paged layer cache (`kv.split_pages`: a tuple of
+    `[K, P, H]` pages of consecutive slots), reading only the pages below `bound`.
+
+    Each live page goes to the matmuls whole, as its own buffer: a `lax.switch` on the loop
+    index picks it, so no page is sliced or copied (see `gpt_jax.cache`).
+    """
+    T = q_TKGH.shape[0]
+    spans = kv.page_spans(sum(p.shape[1] for p in k_pages), k_pages[0].shape[1])
+
+    def fold_page(i):
+        lo, size = spans[i]
+
+        def fold(state):
+            slot_S = lo + jnp.arange(size)
+            mask_TS = jnp.broadcast_to((slot_S < length)[None], (T, size))
+            return _online_softmax_block(state, q_TKGH, k_pages[i], v_pages[i], mask_TS)
+
+        return fold
+
+    n_live = sum((lo < jnp.asarray(bound)).astype(jnp.int32) for lo, _ in spans)
+    branches = [fold_page(i) for i in range(len(spans))]
+    return jax.lax.fori_loop(0, n_live, lambda i, s: jax.lax.switch(i, branches, s), state)
+
+
 def _attend_cache(state, q_TKGH, k_LKSH, v_LKSH, layer, length, bound):
     """Fold in cache slots [0, length) of `layer`, reading only the blocks below `bound`.
 
@@ -227,15 +253,24 @@ def attend_cached(q_TNH, k_TKH, v_TKH, k_LKSH, v_LKSH, layer, length, bound):
     T, N, H = q_TNH.shape
     K = k_TKH.shape[1]
     q_TKGH = q_TNH.reshape(T, K, N // K, H)
-    state = (
-        jnp.full((K, N // K, T), MASK_VALUE, jnp.float32),
-        jnp.zeros((K, N // K, T), jnp.float32),
-        jnp.zeros((K, N // K, T, H), jnp.float32),
-    )
-    state = _attend_cache(state, q_TKGH, k_LKSH, v_LKSH, layer, length, bound)
-    max_KGT, sum_KGT, acc_KGTH = _attend_new(state, q_TKGH, k_TKH, v_TKH)
+    state = _attend_cache(_init_softmax(q_TKGH), q_TKGH, k_LKSH, v_LKSH, layer, length, bound)
+    return _softmax_output(_attend_new(state, q_TKGH, k_TKH, v_TKH)).astype(v_TKH.dtype)
+
+
+def _init_softmax(q_TKGH):
+    """The empty online-softmax state for queries `q_TKGH` (see `_online_softmax_block`)."""
+    T, K, G, H = q_TKGH.shape
+    return (jnp.full((K, G, T), MASK_VALUE, jnp.float32), jnp.zeros((K, G, T), jnp.float32),
+            jnp.zeros((K, G, T, H), jnp.float32))
+
+
+def _softmax_output(state) -> jax.Array:
+    """Attention output `[T, N, H]` float32 from a final online-softmax state: the weighted
+    sum over the softmax total; zeros for a query that saw no key."""
+    _, sum_KGT, acc_KGTH = state
     out_KGTH = jnp.where(sum_KGT[..., None] > 0, acc_KGTH / jnp.maximum(sum_KGT, 1e-30)[..., None], 0.0)
-    return jnp.einsum("KGTH->TKGH", out_KGTH).reshape(T, N, H).astype(v_TKH.dtype)
+    K, G, T, H = out_KGTH.shape
+    return jnp.einsum("KGTH->TKGH", out_KGTH).reshape(T, K * G, H)
 
 
 def _project_heads(x_TD, w_DNH, b_NH):
@@ -268,15 +303,13 @@ def attention(p: Params, x_TD: jax.Array, k_LKSH, v_LKSH, layer, length, bound):
     return _merge_heads(p, out_TNH.astype(x_TD.dtype)), (k_TKH, v_TKH)
 
 
-def block(p: Params, x_TD, k_LKSH, v_LKSH, layer, length, bound, config: GPTConfig):
-    """One pre-LayerNorm transformer block. Returns `(x_TD, (k_TKH, v_TKH))`."""
-    attn_TD, new_kv = attention(
-        p["attn"], layer_norm(p["ln1"], x_TD, config.layer_norm_eps), k_LKSH, v_LKSH, layer,
-        length, bound,
-    )
+def block(p: Params, x_TD, attend_fn, config: GPTConfig):
+    """One pre-LayerNorm transformer block. `attend_fn(p_attn, h_TD)` is its attention
+    against the cache, returning `(out_TD, extra)`. Returns `(x_TD, extra)`."""
+    attn_TD, extra = attend_fn(p["attn"], layer_norm(p["ln1"], x_TD, config.layer_norm_eps))
     x_TD = x_TD + attn_TD
     x_TD = x_TD + mlp(p["mlp"], layer_norm(p["ln2"], x_TD, config.layer_norm_eps))
-    return x_TD, new_kv
+    return x_TD, extra
 
 
 def transformer(
@@ -311,7 +344,9 @@ def transformer(
 
     def step(x_TD, layer_in):
         p, layer = layer_in
-        return block(p, x_TD, cache.k, cache.v, layer, start, bound, config)
+        attend = lambda p_attn, h_TD: attention(  # noqa: E731
+            p_attn, h_TD, cache.k, cache.v, layer, start, bound)
+        return block(p, x_TD, attend, config)
 
     if isinstance(params["blocks"], tuple):  # unstacked (see unstack_layers): unrolled
         new_kv = []
@@ -325,8 +360,8 @@ def transformer(
     write_layers = jax.vmap(kv.write, in_axes=(0, 0, None))
     k_LKSH, ok_L = write_layers(cache.k, k_LTKH, start)
     v_LKSH, _ = write_layers(cache.v, v_LTKH, start)
-    n_valid = tokens_T.shape[0] if n_valid is None else n_valid
     ok = ok_L.all()
+    n_valid = tokens_T.shape[0] if n_valid is None else n_valid
     new_cache = cache.replace(
         k=k_LKSH,
         v=v_LKSH,
@@ -334,6 +369,75 @@ def transformer(
         overflow=cache.overflow | ~ok,
     )
     return x_TD, new_cache
+
+
+def attend_paged(q_1NH, k_1KH, v_1KH, k_pages, v_pages, length, bound):
+    """Causal attention of ONE new query at position `length` over a row's paged layer cache
+    (`kv.split_pages`: a tuple of `[K, P, H]` pages of consecutive slots).
+
+    The new key and value are written into slot `length` first; the query then attends over
+    slots [0, length] of the pages below `bound + 1` (`bound` >= length, shared by a vmapped
+    batch). Written before it is read, a page is updated in place: XLA need not keep (copy)
+    the old page for a read ordered after the write. Live pages go to the matmuls whole
+    (`_attend_pages`), never sliced or copied.
+
+    Returns:
+      `(out_1NH, (k_pages, v_pages, ok))`: the output in the dtype of `v_1KH` (float32
+      softmax), the written pages, and `ok`, False when slot `length` is past the last page
+      (nothing written; see `kv.write_page_slot`).
+    """
+    k_pages, ok = kv.write_page_slot(k_pages, k_1KH, length)
+    v_pages, _ = kv.write_page_slot(v_pages, v_1KH, length)
+    T, N, H = q_1NH.shape
+    K = k_1KH.shape[1]
+    q_1KGH = q_1NH.reshape(T, K, N // K, H)
+    state = _attend_pages(_init_softmax(q_1KGH), q_1KGH, k_pages, v_pages, length + 1, bound + 1)
+    return _softmax_output(state).astype(v_1KH.dtype), (k_pages, v_pages, ok)
+
+
+def attention_paged(p: Params, x_1D: jax.Array, k_pages, v_pages, length, bound):
+    """Causal self-attention of ONE new token at position `length` of one sequence, against
+    its paged layer cache (`attend_paged`). Returns `(out_1D, (k_pages, v_pages, ok))`."""
+    dtype = k_pages[0].dtype
+    q_1NH = _project_heads(x_1D, p["w_q"], p["b_q"])
+    k_1KH = _project_heads(x_1D, p["w_k"], p["b_k"]).astype(dtype)
+    v_1KH = _project_heads(x_1D, p["w_v"], p["b_v"]).astype(dtype)
+    out_1NH, written = attend_paged(q_1NH, k_1KH, v_1KH, k_pages, v_pages, length, bound)
+    return _merge_heads(p, out_1NH.astype(x_1D.dtype)), written
+
+
+def decode_paged(params: Params, token: jax.Array, cache: kv.KVCache, config: GPTConfig,
+                 advance: jax.Array, bound: jax.Array) -> tuple[jax.Array, kv.KVCache]:
+    """One decode step of ONE sequence against its paged cache: the token at position
+    `cache.lengths` through every layer (params in `decode_layout`).
+
+    Args:
+      params: in `decode_layout` (ValueError otherwise).
+      token: int scalar token id.
+      cache: one row whose k and v are per-layer tuples of pages (`kv.split_pages`).
+      advance: bool scalar; the row's length advances by one only if set (a finished row
+        is still fed, and stays where it is).
+      bound: an upper bound on `cache.lengths` shared by a vmapped batch (the batch
+        maximum, unmapped), so every row reads the same pages.
+    Returns:
+      `(x_D, cache)`: the final hidden state (before the last LayerNorm) and the row.
+    """
+    if not isinstance(params["blocks"], tuple):
+        raise ValueError("decode_paged runs params in decode_layout (layers unstacked)")
+    start = cache.lengths
+    x_1D = params["wte"][token][None] + params["wpe"][start][None]
+    k_layers, v_layers = [], []
+    for layer, p in enumerate(params["blocks"]):
+        attend_fn = lambda p_attn, h_1D, layer=layer: attention_paged(  # noqa: E731
+            p_attn, h_1D, cache.k[layer], cache.v[layer], start, bound)
+        x_1D, (k_pages, v_pages, ok) = block(p, x_1D, attend_fn, config)  # same ok per layer
+        k_layers.append(k_pages), v_layers.append(v_pages)
+    new_cache = cache.replace(
+        k=tuple(k_layers), v=tuple(v_layers),
+        lengths=jnp.where(ok & advance, start + 1, start).astype(jnp.int32),
+        overflow=cache.overflow | ~ok,
+    )
+    return x_1D[0], new_cache
 
 
 def unstack_layers(params: Params) -> Params:

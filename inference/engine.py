@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from gpt_jax.cache import CACHE_BATCH_AXES, KVCache
+import gpt_jax.model
+from gpt_jax.cache import CACHE_BATCH_AXES, KVCache, split_pages
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params, decode_layout, lm_head, transformer
+from gpt_jax.model import Params, decode_layout, decode_paged, lm_head, transformer
 from gpt_jax.params import check_params
 from inference import stopping
 from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, sample
@@ -56,18 +57,24 @@ def _decode_row(params, token, advance, cache, bound, *, config):
     return lm_head(params, x_TD[0], config), cache
 
 
+def _decode_paged_row(params, token, advance, cache, bound, *, config):
+    x_D, cache = decode_paged(params, token, cache, config, advance, bound)
+    return lm_head(params, x_D, config), cache
+
+
 @struct.dataclass
 class LoopCache:
     """The KV cache as the generation loop carries it: KVCache's fields, batch axis first.
 
     vmap's batching rules move a mapped axis to the front before any dynamic slice or
     scatter, so a cache carried as `[L, B, K, S, H]` would be transposed (copied whole) on
-    every decode step. Batch-major, the per-row block reads and the write of the new token
-    touch only those slots, in place.
+    every decode step. Batch-major, the per-row reads and the write of the new token touch
+    only those slots, in place. Prefill writes it whole (`[B, L, K, S, H]`); the decode loop
+    carries it paged (`page`).
     """
 
-    k: jax.Array  # [B, L, K, S, H] keys
-    v: jax.Array  # [B, L, K, S, H] values
+    k: jax.Array | tuple  # [B, L, K, S, H] keys, or per layer a tuple of [B, K, P, H] pages
+    v: jax.Array | tuple  # values, as k
     lengths: jax.Array  # [B] int32, slots written per row
     overflow: jax.Array  # [B] bool, a write past the last slot was refused
 
@@ -134,7 +141,7 @@ class DecodeState:
     model: KVCache | struct.PyTreeNode  # the cache (or, for naive decoding, the sequences)
     logits: jax.Array  # [B, V] float32, next-token logits
     tokens: jax.Array  # [B, N] int32, generated tokens; pad_id after a row's end
-    logprobs: jax.Array  # [B, N] float32, model log-prob of each generated token
+    logprobs: jax.Array  # [B, N] float32, model log-prob of each token (0 if none asked, R = 0)
     top_ids: jax.Array  # [B, N, R] int32, most likely alternatives per step (R = 0 if off)
     top_logprobs: jax.Array  # [B, N, R] float32, their log-probs
     step: jax.Array  # [] int32, index of the next token to generate
@@ -197,9 +204,13 @@ def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
     token_B = sample(state.logits, rows, state.prompt_seen, state.output_counts, i, pad_id)
     token_B = jnp.where(running_B, token_B, pad_id)
 
-    logprobs_BV = jax.nn.log_softmax(state.logits, axis=-1)
-    token_logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
-    top_logprobs_BR, top_ids_BR = jax.lax.top_k(logprobs_BV, state.top_ids.shape[-1])
+    if state.top_ids.shape[-1]:  # some row asked for log-probs (see `pack`)
+        logprobs_BV = jax.nn.log_softmax(state.logits, axis=-1)
+        token_logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
+        top_logprobs_BR, top_ids_BR = jax.lax.top_k(logprobs_BV, state.top_ids.shape[-1])
+    else:  # none did: skip the [B, V] log-softmax (~3% of a gpt2 batch-32 step)
+        token_logprob_B = jnp.zeros((B,), jnp.float32)
+        top_logprobs_BR, top_ids_BR = state.top_logprobs[:, 0], state.top_ids[:, 0]
 
     num_tokens_B = state.num_tokens + running_B
     recent_BM = jnp.where(
@@ -253,6 +264,19 @@ def decode_loop(state, step_fn, rows, stops, pad_id) -> DecodeState:
 # ------------------------------------------------------------------- the cached model pair
 
 
+def page(cache: LoopCache) -> LoopCache:
+    """The cache with each layer's k and v split into pages of ATTENTION_BLOCK slots
+    (`gpt_jax.cache.split_pages`; one copy, after prefill): the decode loop's layout, where
+    attention hands live pages to its matmuls whole. Cutting blocks out of one buffer
+    instead copied every live block on every step: at gpt2 batch 32 those copies and a
+    defensive copy of the whole cache took ~60% of the step."""
+    def pages(buf_BLKSH):
+        return tuple(split_pages(buf_BLKSH[:, layer], gpt_jax.model.ATTENTION_BLOCK, axis=2)
+                     for layer in range(buf_BLKSH.shape[1]))
+
+    return cache.replace(k=pages(cache.k), v=pages(cache.v))
+
+
 def cached_model(params, config, capacity, cache_dtype):
     """`(prefill_fn, step_fn)` over a batch-major KV cache (`LoopCache`) of `capacity`
     slots per row. The weights take the decode layout once here, outside the decode loop."""
@@ -263,10 +287,12 @@ def cached_model(params, config, capacity, cache_dtype):
         shape = (B, config.n_layers, config.kv_heads, capacity, config.head_dim)
         cache = LoopCache(k=jnp.zeros(shape, cache_dtype), v=jnp.zeros(shape, cache_dtype),
                           lengths=jnp.zeros((B,), jnp.int32), overflow=jnp.zeros((B,), bool))
-        return _prefill(params, config, tokens_BT, lengths_B, cache)
+        logits_BV, cache = _prefill(params, config, tokens_BT, lengths_B, cache)
+        return logits_BV, page(cache)
 
     def step_fn(tokens_B, cache, advance_B):
-        return _decode(params, config, tokens_B, cache, advance_B)
+        row = functools.partial(_decode_paged_row, config=config)
+        return _vmap_rows(row, cache, params, tokens_B, advance_B)
 
     return prefill_fn, step_fn
 
@@ -302,9 +328,11 @@ def start_program(params, config, tokens_PT, lengths_P, source_B, stops, *, capa
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "model_fns", "cache_dtype",
-                                             "pad_id"))
+                                             "pad_id"), donate_argnames="state")
 def chunk_program(params, config, state, rows, stops, *, capacity, model_fns, cache_dtype, pad_id):
-    """One chunk of decode steps (streaming runs this in a host loop)."""
+    """One chunk of decode steps (streaming runs this in a host loop). `state` is donated:
+    the KV cache is updated in place, not copied on every call, and the `state` passed in
+    must not be used again."""
     _, step_fn = model_fns(params, config, capacity, cache_dtype)
     return decode_chunk(state, step_fn, rows, stops, pad_id)
 

@@ -1,5 +1,6 @@
 """Live-length (blockwise, online-softmax) attention equals full attention, and never reads
-cache blocks past the live length."""
+cache blocks past the live length: over one cache buffer (prefill, `attend_cached`) and over
+a paged cache (the decode loop, `attend_paged`)."""
 
 import functools
 
@@ -10,8 +11,9 @@ import pytest
 
 from conftest import assert_close
 from gpt_jax import GPTConfig, forward, init_cache, init_params, model
+from gpt_jax import cache as kv
 from gpt_jax.cache import CACHE_BATCH_AXES
-from gpt_jax.model import attend, attend_cached
+from gpt_jax.model import attend, attend_cached, attend_paged
 
 L, S, N, H = 2, 21, 4, 8  # S is not a multiple of the block: the last block is shifted back
 
@@ -72,6 +74,41 @@ def test_blocks_past_the_bound_are_never_read(block4):
     got = jax.jit(attend_cached)(q, k_new, v_new, head_major(k_cache), head_major(v_cache), 0,
                                  length, jnp.int32(length))
     assert_close(got, expected, 2e-5, "attention with NaN past the live blocks")
+
+
+def _pages(cache_LSKH, layer):
+    """Layer `layer` of a cache row as pages of 4 slots: S = 21 gives 5 of 4 and one of 1."""
+    return kv.split_pages(jnp.asarray(head_major(cache_LSKH)[layer]), 4)
+
+
+@pytest.mark.parametrize("K", [4, 2, 1])  # multi-head, grouped-query, multi-query
+def test_paged_decode_attention_equals_full_attention(K):
+    """One new token at lengths on, before and after page edges, up to the last slot: the
+    output equals full attention, and the pages hold the new key and value at `length`."""
+    run = jax.jit(attend_paged)  # length and bound traced: one compile per shape
+    for length in (0, 1, 3, 4, 5, 19, 20):
+        q, k_new, v_new, k_cache, v_cache = _case(K, 1, length)
+        expected = _full_attention(q, k_new, v_new, k_cache, v_cache, 1, length)
+        k_cache[1, length], v_cache[1, length] = k_new[0], v_new[0]
+        for bound in (length, min(length + 6, S - 1)):  # own length, or a longer row's
+            got, (k_pages, v_pages, ok) = run(q, k_new, v_new, _pages(k_cache, 1),
+                                              _pages(v_cache, 1), length, jnp.int32(bound))
+            assert bool(ok)
+            assert_close(got, expected, 2e-5, f"paged attention at length {length}, bound {bound}")
+            for pages, cache in ((k_pages, k_cache), (v_pages, v_cache)):
+                assert_close(jnp.concatenate(pages, axis=1), head_major(cache)[1], 0.0,
+                             f"pages after writing slot {length}")
+
+
+def test_pages_past_the_bound_are_never_read():
+    """NaN in every page past the bound's page (pages of 4: slots 8.. for bound 6)."""
+    length = 6
+    q, k_new, v_new, k_cache, v_cache = _case(2, 1, length)
+    expected = _full_attention(q, k_new, v_new, k_cache, v_cache, 0, length)
+    k_cache[:, 8:], v_cache[:, 8:] = np.nan, np.nan
+    got, _ = jax.jit(attend_paged)(q, k_new, v_new, _pages(k_cache, 0), _pages(v_cache, 0),
+                                   length, jnp.int32(length))
+    assert_close(got, expected, 2e-5, "paged attention with NaN past the live pages")
 
 
 def test_long_prefill_is_blockwise_and_equals_full_attention(monkeypatch):

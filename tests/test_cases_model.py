@@ -196,6 +196,26 @@ def test_g06_out_of_range_cache_writes_are_refused(one_layer_row, start, size, a
         assert_close(out[:, :allowed], buf[:, :allowed], 0.0, "slots before the write")
 
 
+@pytest.mark.parametrize("start", [8, 10, -1])
+def test_g06_out_of_range_paged_cache_writes_are_refused(one_layer_row, start):
+    """The decode loop's paged cache (pages of 3 slots here: 3, 3, 2) refuses the same
+    writes; the last slot and a slot on a page edge are written where they belong."""
+    pages, new = kv.split_pages(one_layer_row, 3), jnp.full((1, 1, 4), -5.0)
+    with pytest.raises(ValueError, match=rf"KV cache write of 1 slot\(s\) at index {start} is "
+                                         r"out of range: the cache has 8 slots, so the start "
+                                         r"must be in \[0, 7\]"):
+        kv.write_page_slot(pages, new, start)
+    out, ok = jax.jit(kv.write_page_slot)(pages, new, start)
+    assert not bool(ok)
+    assert_close(jnp.concatenate(out, 1), one_layer_row, 0.0, "pages after a refused write")
+    for slot in (7, 3):
+        for write in (kv.write_page_slot, jax.jit(kv.write_page_slot)):
+            out, ok = write(pages, new, slot)
+            expected = one_layer_row.at[:, slot].set(-5.0)
+            assert bool(ok)
+            assert_close(jnp.concatenate(out, 1), expected, 0.0, f"pages after writing {slot}")
+
+
 def test_g06_out_of_range_cache_reads_are_refused(one_layer_row):
     buf = one_layer_row
     with pytest.raises(ValueError, match=r"read of 4 slot\(s\) at index 9 is out of range: "
