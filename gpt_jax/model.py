@@ -290,15 +290,22 @@ def _merge_heads(p: Params, out_TNH: jax.Array) -> jax.Array:
     return linear(out_TNH.reshape(*out_TNH.shape[:-2], N * H), w, p["b_o"])
 
 
+def _new_qkv(p: Params, x_TD: jax.Array, cache_dtype):
+    """Queries `[T, N, H]`, and keys and values `[T, K, H]` in the cache's dtype, of T new
+    tokens: three matmuls, with no per-call weight concatenation (see `_project_qkv`)."""
+    q_TNH = _project_heads(x_TD, p["w_q"], p["b_q"])
+    k_TKH = _project_heads(x_TD, p["w_k"], p["b_k"]).astype(cache_dtype)
+    v_TKH = _project_heads(x_TD, p["w_v"], p["b_v"]).astype(cache_dtype)
+    return q_TNH, k_TKH, v_TKH
+
+
 def attention(p: Params, x_TD: jax.Array, k_LKSH, v_LKSH, layer, length, bound):
     """Causal self-attention of T new tokens at positions length..length+T-1 of one sequence.
 
     Reads the row's cache (`[L, K, S, H]`, read-only here) at `layer`, slots below `length`.
     Returns `(out_TD, (k_TKH, v_TKH))`: the new keys and values, for the caller to write.
     """
-    q_TNH = _project_heads(x_TD, p["w_q"], p["b_q"])
-    k_TKH = _project_heads(x_TD, p["w_k"], p["b_k"]).astype(k_LKSH.dtype)
-    v_TKH = _project_heads(x_TD, p["w_v"], p["b_v"]).astype(v_LKSH.dtype)
+    q_TNH, k_TKH, v_TKH = _new_qkv(p, x_TD, k_LKSH.dtype)
     out_TNH = attend_cached(q_TNH, k_TKH, v_TKH, k_LKSH, v_LKSH, layer, length, bound)
     return _merge_heads(p, out_TNH.astype(x_TD.dtype)), (k_TKH, v_TKH)
 
@@ -344,9 +351,9 @@ def transformer(
 
     def step(x_TD, layer_in):
         p, layer = layer_in
-        attend = lambda p_attn, h_TD: attention(  # noqa: E731
+        attend_fn = lambda p_attn, h_TD: attention(  # noqa: E731
             p_attn, h_TD, cache.k, cache.v, layer, start, bound)
-        return block(p, x_TD, attend, config)
+        return block(p, x_TD, attend_fn, config)
 
     if isinstance(params["blocks"], tuple):  # unstacked (see unstack_layers): unrolled
         new_kv = []
@@ -360,8 +367,8 @@ def transformer(
     write_layers = jax.vmap(kv.write, in_axes=(0, 0, None))
     k_LKSH, ok_L = write_layers(cache.k, k_LTKH, start)
     v_LKSH, _ = write_layers(cache.v, v_LTKH, start)
-    ok = ok_L.all()
     n_valid = tokens_T.shape[0] if n_valid is None else n_valid
+    ok = ok_L.all()
     new_cache = cache.replace(
         k=k_LKSH,
         v=v_LKSH,
@@ -398,10 +405,7 @@ def attend_paged(q_1NH, k_1KH, v_1KH, k_pages, v_pages, length, bound):
 def attention_paged(p: Params, x_1D: jax.Array, k_pages, v_pages, length, bound):
     """Causal self-attention of ONE new token at position `length` of one sequence, against
     its paged layer cache (`attend_paged`). Returns `(out_1D, (k_pages, v_pages, ok))`."""
-    dtype = k_pages[0].dtype
-    q_1NH = _project_heads(x_1D, p["w_q"], p["b_q"])
-    k_1KH = _project_heads(x_1D, p["w_k"], p["b_k"]).astype(dtype)
-    v_1KH = _project_heads(x_1D, p["w_v"], p["b_v"]).astype(dtype)
+    q_1NH, k_1KH, v_1KH = _new_qkv(p, x_1D, k_pages[0].dtype)
     out_1NH, written = attend_paged(q_1NH, k_1KH, v_1KH, k_pages, v_pages, length, bound)
     return _merge_heads(p, out_1NH.astype(x_1D.dtype)), written
 
