@@ -23,16 +23,16 @@ def test_greedy_generate_equals_naive(config, params):
 
 
 def test_paged_decode_loop_equals_naive_across_many_pages(config, params, monkeypatch):
-    """Pages of 4 slots: rows of 1 to 20 prompt tokens decode 24 steps over up to 11 pages
+    """Pages of 4 slots: rows of 1 to 11 prompt tokens decode 14 steps over up to 7 pages
     each, every row reading the pages below the longest row's length. A config of its own
     (max_seq_len 96) keeps programs traced with 128-slot pages from being reused here, and
     these from reaching other tests."""
     monkeypatch.setattr(model, "ATTENTION_BLOCK", 4)
     config = dataclasses.replace(config, max_seq_len=96)
     params = {**params, "wpe": params["wpe"][:96]}
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (1, 4, 9, 20)]
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=24)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (1, 5, 11)]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=14)
     cached = generate(params, config, prompts, sampling)
     naive = naive_generate(params, config, prompts, sampling)
     for c, n in zip(cached, naive):
