@@ -153,9 +153,10 @@ def naive_step_seconds(params, config, batch, new_tokens) -> float:
 
 
 def throughput(args) -> None:
-    import torch
+    if args.hf:  # --no-hf needs no torch
+        import torch
 
-    torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
     rows = []
     for name in args.presets:
         config = preset(name)

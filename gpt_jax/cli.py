@@ -69,7 +69,7 @@ def demo_main(argv):
     phases["train"] = time.perf_counter() - tick
     print(f"training: {summary['steps']} steps, {summary['tokens_per_s']:,.0f} tokens/s, "
           f"train loss {summary['train_loss']:.3f}, val loss {summary['val_loss']:.3f} "
-          f"nats/char")
+          f"nats/char; model in {run_dir}")
 
     tick = time.perf_counter()
     from gpt_jax.checkpoint import load_config

@@ -164,6 +164,8 @@ class LLM:
         deltas equal its `generate` text. Raises as `generate`, before the first delta."""
         token_prompts = self._encode(prompts)
         token_prompts, per_prompt = engine.validate(self.config, token_prompts, sampling)
+        if not token_prompts:  # nothing to generate (as `generate([])` returns [])
+            return
         batch = engine.pack(self.config, token_prompts, per_prompt)
         static = dict(capacity=batch.capacity, model_fns=engine.cached_model,
                       cache_dtype=self.cache_dtype)

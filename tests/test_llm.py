@@ -134,6 +134,12 @@ def test_a_stop_prefix_that_never_completes_is_released(llm):
     assert texts == [full.text] and c.finish_reason == "length" and c.tokens == full.tokens
 
 
+def test_no_prompts_give_no_completions_and_no_deltas(llm):
+    sampling = SamplingParams(max_new_tokens=5)
+    assert llm.generate([], sampling) == []
+    assert list(llm.stream([], sampling)) == []
+
+
 def test_streamed_bytes_never_break_a_character(config):
     llm = LLM(lively_params(config, seed=3), config, ByteTokenizer())
     sampling = SamplingParams(temperature=1.5, max_new_tokens=64, n=8, seed=5)
