@@ -20,6 +20,7 @@ Compilation is never timed (each program runs once before it is timed).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -237,7 +238,7 @@ def decode_runner(params, config, batch, capacity, live, steps=8):
     cache = page(LoopCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                            lengths=jnp.full((batch,), live, jnp.int32),
                            overflow=jnp.zeros((batch,), bool)))
-    return lambda: run(params, cache)
+    return functools.partial(run, params, cache)  # .func.lower(*.args) gives its HLO
 
 
 def decode_step_seconds(params, config, batch, capacity, live, steps=16) -> float:
