@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from gpt_jax import cache as kv
+from gpt_jax import cpu_attention
 from gpt_jax.config import GPTConfig
 
 # Masked scores get a large finite negative, never -inf: exp() gives 0 and no NaN appears.
@@ -385,8 +386,10 @@ def attend_paged(q_1NH, k_1KH, v_1KH, k_pages, v_pages, length, bound):
     The new key and value are written into slot `length` first; the query then attends over
     slots [0, length] of the pages below `bound + 1` (`bound` >= length, shared by a vmapped
     batch). Written before it is read, a page is updated in place: XLA need not keep (copy)
-    the old page for a read ordered after the write. Live pages go to the matmuls whole
-    (`_attend_pages`), never sliced or copied.
+    the old page for a read ordered after the write. On CPU the attention runs as a kernel
+    that reads exactly slots [0, length] on all cores (`gpt_jax.cpu_attention`; XLA:CPU's
+    own dots run on one thread); elsewhere, or where the kernel cannot be built, live pages
+    go to XLA's matmuls whole (`_attend_pages`), never sliced or copied.
 
     Returns:
       `(out_1NH, (k_pages, v_pages, ok))`: the output in the dtype of `v_1KH` (float32
@@ -398,8 +401,21 @@ def attend_paged(q_1NH, k_1KH, v_1KH, k_pages, v_pages, length, bound):
     T, N, H = q_1NH.shape
     K = k_1KH.shape[1]
     q_1KGH = q_1NH.reshape(T, K, N // K, H)
-    state = _attend_pages(_init_softmax(q_1KGH), q_1KGH, k_pages, v_pages, length + 1, bound + 1)
-    return _softmax_output(state).astype(v_1KH.dtype), (k_pages, v_pages, ok)
+
+    def xla(q_1KGH, k_pages, v_pages, length, bound):
+        state = _attend_pages(_init_softmax(q_1KGH), q_1KGH, k_pages, v_pages, length, bound)
+        return _softmax_output(state)
+
+    def cpu_kernel(q_1KGH, k_pages, v_pages, length, bound):
+        out_KGH = cpu_attention.paged_decode_attention(q_1KGH[0], k_pages, v_pages, length)
+        return out_KGH.reshape(T, N, H)
+
+    args = (q_1KGH, k_pages, v_pages, length + 1, bound + 1)
+    if cpu_attention.available():
+        out_1NH = jax.lax.platform_dependent(*args, cpu=cpu_kernel, default=xla)
+    else:
+        out_1NH = xla(*args)
+    return out_1NH.astype(v_1KH.dtype), (k_pages, v_pages, ok)
 
 
 def attention_paged(p: Params, x_1D: jax.Array, k_pages, v_pages, length, bound):

@@ -82,10 +82,10 @@ def _pages(cache_LSKH, layer):
 
 
 @pytest.mark.parametrize("K", [4, 2, 1])  # multi-head, grouped-query, multi-query
-def test_paged_decode_attention_equals_full_attention(K):
+def test_paged_decode_attention_equals_full_attention(decode_attention, K):
     """One new token at lengths on, before and after page edges, up to the last slot: the
     output equals full attention, and the pages hold the new key and value at `length`."""
-    run = jax.jit(attend_paged)  # length and bound traced: one compile per shape
+    run = jax.jit(lambda *args: attend_paged(*args))  # traced here, length and bound too
     for length in (0, 1, 3, 4, 5, 19, 20):
         q, k_new, v_new, k_cache, v_cache = _case(K, 1, length)
         expected = _full_attention(q, k_new, v_new, k_cache, v_cache, 1, length)
@@ -100,14 +100,14 @@ def test_paged_decode_attention_equals_full_attention(K):
                              f"pages after writing slot {length}")
 
 
-def test_pages_past_the_bound_are_never_read():
+def test_pages_past_the_bound_are_never_read(decode_attention):
     """NaN in every page past the bound's page (pages of 4: slots 8.. for bound 6)."""
     length = 6
     q, k_new, v_new, k_cache, v_cache = _case(2, 1, length)
     expected = _full_attention(q, k_new, v_new, k_cache, v_cache, 0, length)
     k_cache[:, 8:], v_cache[:, 8:] = np.nan, np.nan
-    got, _ = jax.jit(attend_paged)(q, k_new, v_new, _pages(k_cache, 0), _pages(v_cache, 0),
-                                   length, jnp.int32(length))
+    got, _ = jax.jit(lambda *args: attend_paged(*args))(
+        q, k_new, v_new, _pages(k_cache, 0), _pages(v_cache, 0), length, jnp.int32(length))
     assert_close(got, expected, 2e-5, "paged attention with NaN past the live pages")
 
 

@@ -1,0 +1,187 @@
+// Decode attention over a paged KV cache, for XLA:CPU (an XLA FFI custom call).
+//
+// One new query per row attends over slots [0, length) of that row's pages. XLA:CPU runs
+// the same computation as batched matrix-vector dots on one thread (about half the memory
+// bandwidth of this memory-bound step); this kernel spreads the (row, kv head) pairs over
+// XLA's intra-op thread pool and reads exactly each row's live slots, no whole pages.
+//
+// Arguments (B rows: the product of the leading axes, which vmap adds):
+//   q        f32 [..., K, G, H]  queries, G per kv head
+//   lengths  s32 [...]           slots to attend per row (0: the output is zeros)
+//   then P key pages and P value pages, each f32 or bf16 [..., K, P_i, H], consecutive slots.
+// Result: f32 [..., K, G, H], softmax(q k^T / sqrt(H)) v with a float32 softmax
+// (Vaswani et al. 2017); the max-subtracted two-pass form.
+//
+// Built by gpt_jax/cpu_attention.py on first use; see there.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float to_f32(float x) { return x; }
+
+inline float to_f32(uint16_t bf16) {  // bfloat16 is the top half of a float32
+  uint32_t bits = uint32_t(bf16) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+template <typename T>
+struct Pages {
+  std::vector<const T*> data;   // page i: [B, K, size[i], H]
+  std::vector<int64_t> size;    // slots per page
+};
+
+// Row b, kv head k: out[G, H] = softmax(scores) v over the first `length` slots.
+// kH > 0: the head dim known at compile time (the common sizes), so the per-slot loops are
+// fully unrolled with their accumulators in registers; kH = 0: any head dim `H`.
+template <typename T, int64_t kH>
+void attend_one(const float* q_GH, const Pages<T>& keys, const Pages<T>& values, int64_t b,
+                int64_t k, int64_t K, int64_t G, int64_t runtime_H, int64_t length,
+                float* out_GH) {
+  const int64_t H = kH ? kH : runtime_H;
+  std::fill(out_GH, out_GH + G * H, 0.0f);
+  if (length <= 0) return;
+  thread_local std::vector<float> scores_GS;
+  scores_GS.resize(G * length);
+  const float scale = 1.0f / std::sqrt(float(H));
+
+  for (size_t p = 0, s = 0; p < keys.data.size() && int64_t(s) < length; ++p) {
+    const int64_t size = keys.size[p], n = std::min<int64_t>(size, length - s);
+    const T* k_SH = keys.data[p] + (b * K + k) * size * H;
+    for (int64_t i = 0; i < n; ++i, ++s) {
+      for (int64_t g = 0; g < G; ++g) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t h = 0; h < H; ++h) dot += q_GH[g * H + h] * to_f32(k_SH[i * H + h]);
+        scores_GS[g * length + s] = dot * scale;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores_GS.data() + g * length;
+    const float max = *std::max_element(row, row + length);
+    float total = 0.0f;
+    for (int64_t s = 0; s < length; ++s) total += (row[s] = std::exp(row[s] - max));
+    for (int64_t s = 0; s < length; ++s) row[s] /= total;
+  }
+  for (size_t p = 0, s = 0; p < values.data.size() && int64_t(s) < length; ++p) {
+    const int64_t size = values.size[p], n = std::min<int64_t>(size, length - s);
+    const T* v_SH = values.data[p] + (b * K + k) * size * H;
+    for (int64_t i = 0; i < n; ++i, ++s) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float prob = scores_GS[g * length + s];
+        float* o = out_GH + g * H;
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) o[h] += prob * to_f32(v_SH[i * H + h]);
+      }
+    }
+  }
+}
+
+// Run fn(0..n-1) on the calling thread and the pool. Items are claimed from a shared
+// counter, so the caller never waits for a task that has not started: it waits only for
+// items other threads have claimed (tasks that start late find nothing left and return).
+struct Work {
+  std::atomic<int64_t> next{0}, finished{0};
+  int64_t total = 0;
+  std::function<void(int64_t)> fn;
+  std::mutex mutex;
+  std::condition_variable all_done;
+
+  void drain() {
+    for (int64_t i; (i = next.fetch_add(1)) < total;) {
+      fn(i);
+      if (finished.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mutex);
+        all_done.notify_all();
+      }
+    }
+  }
+};
+
+void parallel_for(ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
+  auto work = std::make_shared<Work>();
+  work->total = n;
+  work->fn = std::move(fn);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  std::unique_lock<std::mutex> lock(work->mutex);
+  work->all_done.wait(lock, [&] { return work->finished.load() == n; });
+  work->fn = nullptr;  // late tasks keep `work` alive, never the caller's frame
+}
+
+template <typename T>
+ffi::Error run(ffi::ThreadPool& pool, const float* q, const int32_t* lengths, int64_t B,
+               int64_t K, int64_t G, int64_t H, const ffi::RemainingArgs& args,
+               ffi::DataType dtype, float* out) {
+  const size_t n_args = args.size();
+  if (n_args % 2) return ffi::Error::InvalidArgument("expected as many value pages as key pages");
+  Pages<T> keys, values;
+  for (size_t i = 0; i < n_args; ++i) {
+    auto page = args.get<ffi::AnyBuffer>(i);
+    if (!page.has_value()) return page.error();
+    if (page->element_type() != dtype) return ffi::Error::InvalidArgument("pages differ in dtype");
+    auto dims = page->dimensions();
+    Pages<T>& pages = i < n_args / 2 ? keys : values;
+    pages.data.push_back(reinterpret_cast<const T*>(page->untyped_data()));
+    pages.size.push_back(dims.size() >= 2 ? dims[dims.size() - 2] : 0);
+  }
+  // Contiguous runs of (row, kv head) items per task: each thread streams long stretches.
+  const int64_t items = B * K, run_size = std::max<int64_t>(1, items / 8);
+  parallel_for(pool, (items + run_size - 1) / run_size, [&](int64_t task) {
+    for (int64_t item = task * run_size; item < std::min(items, (task + 1) * run_size); ++item) {
+      const int64_t b = item / K, k = item % K;
+      auto attend = H == 64 ? attend_one<T, 64> : H == 128 ? attend_one<T, 128> : attend_one<T, 0>;
+      attend(q + item * G * H, keys, values, b, k, K, G, H, lengths[b], out + item * G * H);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                ffi::Buffer<ffi::S32> lengths, ffi::RemainingArgs pages,
+                                ffi::ResultBuffer<ffi::F32> out) {
+  auto dims = q.dimensions();
+  if (dims.size() < 3) return ffi::Error::InvalidArgument("q must be [..., K, G, H]");
+  const int64_t K = dims[dims.size() - 3], G = dims[dims.size() - 2], H = dims[dims.size() - 1];
+  const int64_t B = lengths.element_count();
+  if (pages.size() == 0) return ffi::Error::InvalidArgument("no pages");
+  auto first = pages.get<ffi::AnyBuffer>(0);
+  if (!first.has_value()) return first.error();
+  switch (first->element_type()) {
+    case ffi::DataType::F32:
+      return run<float>(pool, q.typed_data(), lengths.typed_data(), B, K, G, H, pages,
+                        ffi::DataType::F32, out->typed_data());
+    case ffi::DataType::BF16:
+      return run<uint16_t>(pool, q.typed_data(), lengths.typed_data(), B, K, G, H, pages,
+                           ffi::DataType::BF16, out->typed_data());
+    default:
+      return ffi::Error::InvalidArgument("pages must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GptJaxPagedDecodeAttention, PagedDecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
