@@ -118,7 +118,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)>
   auto work = std::make_shared<Work>();
   work->total = n;
   work->fn = std::move(fn);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->drain(); });
   work->drain();
   std::unique_lock<std::mutex> lock(work->mutex);
