@@ -42,7 +42,7 @@ def assert_lively(tokens, minimum=5):
 def decode_attention(request, monkeypatch):
     """Run a test through both decode-attention paths: the CPU kernel (what CPUs run) and
     XLA's (what GPUs and TPUs run). The choice is made when a program is traced: tests with
-    this fixture trace fresh functions, and the engine's compiled programs are dropped."""
+    this fixture trace fresh functions (the engine's compiled programs are dropped too)."""
     from gpt_jax import cpu_attention
     from inference import engine
 

@@ -22,8 +22,7 @@ def test_greedy_generate_equals_naive(config, params):
         assert c.tokens == n.tokens
 
 
-def test_paged_decode_loop_equals_naive_across_many_pages(config, params, monkeypatch,
-                                                         decode_attention):
+def test_paged_decode_loop_equals_naive_across_many_pages(config, params, monkeypatch):
     """Pages of 4 slots: rows of 1 to 11 prompt tokens decode 14 steps over up to 7 pages
     each, every row reading the pages below the longest row's length. A config of its own
     (max_seq_len 96) keeps programs traced with 128-slot pages from being reused here, and
