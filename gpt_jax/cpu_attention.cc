@@ -7,7 +7,8 @@
 //
 // Arguments (B rows: the product of the leading axes, which vmap adds):
 //   q        f32 [..., K, G, H]  queries, G per kv head
-//   lengths  s32 [...]           slots to attend per row (0: the output is zeros)
+//   lengths  s32 [...]           slots to attend per row (0: the output is zeros;
+//                                past the last page: all of them)
 //   then P key pages and P value pages, each f32 or bf16 [..., K, P_i, H], consecutive slots.
 // Result: f32 [..., K, G, H], softmax(q k^T / sqrt(H)) v with a float32 softmax
 // (Vaswani et al. 2017); the max-subtracted two-pass form.
@@ -142,13 +143,18 @@ ffi::Error run(ffi::ThreadPool& pool, const float* q, const int32_t* lengths, in
     pages.data.push_back(reinterpret_cast<const T*>(page->untyped_data()));
     pages.size.push_back(dims.size() >= 2 ? dims[dims.size() - 2] : 0);
   }
+  // A row never attends past its pages (the XLA path's bound): a length beyond them (a write
+  // refused at the end of the cache) means all of them.
+  int64_t capacity = 0;
+  for (int64_t size : keys.size) capacity += size;
   // Contiguous runs of (row, kv head) items per task: each thread streams long stretches.
   const int64_t items = B * K, run_size = std::max<int64_t>(1, items / 8);
   parallel_for(pool, (items + run_size - 1) / run_size, [&](int64_t task) {
     for (int64_t item = task * run_size; item < std::min(items, (task + 1) * run_size); ++item) {
       const int64_t b = item / K, k = item % K;
       auto attend = H == 64 ? attend_one<T, 64> : H == 128 ? attend_one<T, 128> : attend_one<T, 0>;
-      attend(q + item * G * H, keys, values, b, k, K, G, H, lengths[b], out + item * G * H);
+      const int64_t length = std::min<int64_t>(lengths[b], capacity);
+      attend(q + item * G * H, keys, values, b, k, K, G, H, length, out + item * G * H);
     }
   });
   return ffi::Error::Success();

@@ -108,7 +108,7 @@ def paged_decode_attention(q_KGH: jax.Array, k_pages, v_pages, length) -> jax.Ar
       q_KGH: queries, `[K, G, H]` (any float dtype; computed in float32).
       k_pages, v_pages: tuples of `[K, P_i, H]` pages of consecutive slots, float32 or
         bfloat16, keys and values alike.
-      length: int scalar, slots to attend; 0 gives zeros.
+      length: int scalar, slots to attend; 0 gives zeros, past the last page all slots.
     Returns:
       float32 `[K, G, H]`: softmax(q k^T / sqrt(H)) v with a float32 softmax.
     Under `jax.vmap` every argument gains the batch axis (`vmap_method="broadcast_all"`) and

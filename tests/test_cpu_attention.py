@@ -44,14 +44,14 @@ def _reference(q_KGH, k_KSH, v_KSH, length):
 @pytest.mark.parametrize("K", [4, 2, 1])  # multi-head, grouped-query, multi-query
 def test_kernel_batch_equals_full_attention_row_by_row(K, dtype):
     assert cpu_attention.available(), "the CPU attention kernel did not build"
-    lengths = [0, 1, 3, 4, 5, 20, 21]  # none, page edges, the last slot
+    lengths = [0, 1, 3, 4, 5, 20, 21, 22]  # none, page edges, the last slot, past it (all)
     q, k, v = _rows(K, lengths, dtype)
     pages = [kv.split_pages(jnp.asarray(x, dtype), PAGE, axis=2) for x in (k, v)]
     run = jax.jit(jax.vmap(cpu_attention.paged_decode_attention))
     got = run(jnp.asarray(q), *pages, jnp.asarray(lengths, jnp.int32))
     assert got.dtype == jnp.float32 and got.shape == q.shape
     for b, length in enumerate(lengths):
-        expected = _reference(q[b], k[b], v[b], length)
+        expected = _reference(q[b], k[b], v[b], min(length, S))
         assert_close(got[b], expected, 2e-6, f"row {b} (length {length}, {K} kv heads)")
 
 
