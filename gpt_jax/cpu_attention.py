@@ -7,8 +7,8 @@ At gpt2 batch 32 that was ~45 ms of a ~170 ms decode step. The kernel spreads th
 (row, kv head) pairs over XLA's intra-op thread pool and reads exactly each row's live
 slots. On GPU and TPU the XLA path runs (`jax.lax.platform_dependent`).
 
-The kernel is compiled from source on first use with the C++ compiler (`$CXX`, default
-`g++`) against the FFI headers jaxlib ships (`jax.ffi.include_dir()`), and cached under
+The kernel is compiled from source on first use (about 5 s on an idle 2-core machine) with
+the C++ compiler (`$CXX`, default `g++`) against the FFI headers jaxlib ships (`jax.ffi.include_dir()`), and cached under
 `$XDG_CACHE_HOME/gpt-jax` (default `~/.cache/gpt-jax`) per source, jaxlib version and CPU.
 If it cannot be built, a warning says why and the XLA path runs; `GPT_JAX_CPU_KERNEL=0`
 turns it off.
@@ -21,6 +21,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import warnings
 from pathlib import Path
@@ -69,8 +70,8 @@ def build() -> Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        compiler = os.environ.get("CXX", "g++")
-        subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE),
+        compiler = shlex.split(os.environ.get("CXX") or "g++")  # may carry args: "ccache g++"
+        subprocess.run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE),
                         "-o", str(partial)], check=True, capture_output=True, text=True)
         os.replace(partial, path)
     return path
@@ -87,7 +88,8 @@ def available() -> bool:
         library = ctypes.cdll.LoadLibrary(str(build()))
     except subprocess.CalledProcessError as e:
         warnings.warn(f"gpt-jax CPU attention kernel did not compile (using XLA's attention "
-                      f"instead): {e.stderr.strip()[-2000:]}", RuntimeWarning, stacklevel=2)
+                      f"instead): `{shlex.join(e.cmd)}` exited with {e.returncode}: "
+                      f"{e.stderr.strip()[-2000:]}", RuntimeWarning, stacklevel=2)
         return False
     except OSError as e:
         warnings.warn(f"gpt-jax CPU attention kernel unavailable (using XLA's attention "
