@@ -41,17 +41,13 @@ def assert_lively(tokens, minimum=5):
 @pytest.fixture(params=["cpu_kernel", "xla"])
 def decode_attention(request, monkeypatch):
     """Run a test through both decode-attention paths: the CPU kernel (what CPUs run) and
-    XLA's (what GPUs and TPUs run). The choice is made when a program is traced: tests with
-    this fixture trace fresh functions (the engine's compiled programs are dropped too)."""
+    XLA's (what GPUs and TPUs run). The choice is made when a program is traced, so tests
+    with this fixture jit fresh functions (jit caches are shared between `jax.jit` wrappers
+    of one function)."""
     from gpt_jax import cpu_attention
-    from inference import engine
 
     if request.param == "xla":
         monkeypatch.setattr(cpu_attention, "available", lambda: False)
     else:
         assert cpu_attention.available(), "the CPU attention kernel did not build"
-    for program in (engine.generate_program, engine.start_program, engine.chunk_program):
-        program.clear_cache()
-    yield request.param
-    for program in (engine.generate_program, engine.start_program, engine.chunk_program):
-        program.clear_cache()
+    return request.param
