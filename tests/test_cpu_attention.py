@@ -13,10 +13,10 @@ from conftest import assert_close
 from gpt_jax import cpu_attention
 from gpt_jax import cache as kv
 
-N, H, S, PAGE = 4, 8, 21, 4  # pages of 4 slots: five of 4 and one of 1
+N, S, PAGE = 4, 21, 4  # pages of 4 slots: five of 4 and one of 1
 
 
-def _rows(K, lengths, dtype, seed=0):
+def _rows(K, lengths, dtype, H=8, seed=0):
     """Queries `[B, K, G, H]` and a batch-major cache `[B, K, S, H]` per k and v; slots past
     each row's length hold NaN, which any read of them would carry into the output."""
     rng = np.random.default_rng(seed)
@@ -32,6 +32,7 @@ def _rows(K, lengths, dtype, seed=0):
 def _reference(q_KGH, k_KSH, v_KSH, length):
     """Full attention of one row over its first `length` slots, in float64 numpy (zeros for
     none): softmax(q k^T / sqrt(H)) v."""
+    H = q_KGH.shape[-1]
     if length == 0:
         return np.zeros(q_KGH.shape)
     scores_KGS = np.einsum("kgh,ksh->kgs", q_KGH, k_KSH[:, :length], dtype=np.float64)
@@ -40,24 +41,25 @@ def _reference(q_KGH, k_KSH, v_KSH, length):
     return np.einsum("kgs,ksh->kgh", probs_KGS, v_KSH[:, :length])
 
 
+@pytest.mark.parametrize("H", [8, 64, 128])  # any head dim; the two compiled for registers
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("K", [4, 2, 1])  # multi-head, grouped-query, multi-query
-def test_kernel_batch_equals_full_attention_row_by_row(K, dtype):
+def test_kernel_batch_equals_full_attention_row_by_row(K, dtype, H):
     assert cpu_attention.available(), "the CPU attention kernel did not build"
     lengths = [0, 1, 3, 4, 5, 20, 21, 22]  # none, page edges, the last slot, past it (all)
-    q, k, v = _rows(K, lengths, dtype)
+    q, k, v = _rows(K, lengths, dtype, H)
     pages = [kv.split_pages(jnp.asarray(x, dtype), PAGE, axis=2) for x in (k, v)]
     run = jax.jit(jax.vmap(cpu_attention.paged_decode_attention))
     got = run(jnp.asarray(q), *pages, jnp.asarray(lengths, jnp.int32))
     assert got.dtype == jnp.float32 and got.shape == q.shape
     for b, length in enumerate(lengths):
         expected = _reference(q[b], k[b], v[b], min(length, S))
-        assert_close(got[b], expected, 2e-6, f"row {b} (length {length}, {K} kv heads)")
+        assert_close(got[b], expected, 2e-6, f"row {b} (length {length}, {K} kv heads, H {H})")
 
 
 def test_kernel_runs_one_row_without_vmap():
     assert cpu_attention.available()
-    q, k, v = _rows(2, [13], jnp.float32)
+    q, k, v = _rows(2, [13], jnp.float32, 64)
     pages = [kv.split_pages(jnp.asarray(x[0]), PAGE, axis=1) for x in (k, v)]
     got = jax.jit(cpu_attention.paged_decode_attention)(jnp.asarray(q[0]), *pages, 13)
     assert_close(got, _reference(q[0], k[0], v[0], 13), 2e-6, "one row")
