@@ -12,8 +12,9 @@ Usage (also `gpt-jax bench NAME [flags]`; every run writes benchmarks/results/NA
 
 Weights are random (no downloads), float32 (`roofline` and `throughput --bf16` add the
 bfloat16 weights-and-cache mode). Ours and `transformers` run in the same process
-on identical weights (saved by transformers, imported with `gpt_jax.load_hf_gpt2`), one after
-the other, so a busy machine slows both alike: compare the ratios, not the absolute figures.
+on identical weights (saved by transformers, imported with `gpt_jax.load_hf_gpt2`), in turn
+over `--rounds` rounds, each figure the median of its rounds, so a busy moment of the machine
+slows both alike: compare the ratios, not the absolute figures.
 Compilation is never timed (each program runs once before it is timed).
 """
 
@@ -95,6 +96,24 @@ def timed(fn, repeats: int = 1) -> float:
     return best
 
 
+def seconds(fn) -> float:
+    """Wall time of one `fn()` (its arrays ready)."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def interleaved(runs: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each of `runs` (name -> a function returning its own seconds) over
+    `rounds` rounds that call them in turn: a slow moment of a noisy machine falls on every
+    engine alike, and the median of each is compared (see `throughput`)."""
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(run())
+    return times
+
+
 def preset(name: str) -> GPTConfig:
     # shakespeare-char's position table (320) is too short for prompt 64 + 512 new tokens.
     return GPTConfig.preset(name, max_seq_len=1024) if name == "shakespeare-char" else \
@@ -141,6 +160,10 @@ def hf_generate_seconds(model, prompts, new_tokens) -> float:
     return time.perf_counter() - start
 
 
+def generate_seconds(params, config, prompts, sampling, **kwargs) -> float:
+    return seconds(lambda: generate(params, config, prompts, sampling, **kwargs))
+
+
 def naive_step_seconds(params, config, batch, new_tokens) -> float:
     """One step of `naive_generate` at the capacity it uses for `new_tokens`: its cost is
     the same every step (a full forward over the padded sequence buffer)."""
@@ -174,24 +197,31 @@ def throughput(args) -> None:
             for batch in args.batches:
                 prompts = random_prompts(config, batch)
                 sp = SamplingParams(temperature=0.0, max_new_tokens=new)
-                ours = timed(lambda: generate(laid_out, config, prompts, sp))  # noqa: B023
-                row = {"preset": name, "engine": "gpt-jax", "batch": batch, "new_tokens": new,
-                       "tok_per_s": batch * new / ours, "ms_per_step": 1e3 * ours / new}
+                runs = {"gpt-jax": functools.partial(
+                    generate_seconds, laid_out, config, prompts, sp)}
                 if args.bf16:
-                    half = timed(lambda: generate(laid_out_bf16, config, prompts, sp,  # noqa: B023
-                                                  cache_dtype=jnp.bfloat16))
-                    rows.append({"preset": name, "engine": "gpt-jax bf16", "batch": batch,
-                                 "new_tokens": new, "tok_per_s": batch * new / half,
-                                 "ms_per_step": 1e3 * half / new, "x_float32": ours / half})
+                    runs["gpt-jax bf16"] = functools.partial(
+                        generate_seconds, laid_out_bf16, config, prompts, sp,
+                        cache_dtype=jnp.bfloat16)
                 if model is not None:
-                    theirs = hf_generate_seconds(model, prompts, new)
-                    rows.append({"preset": name, "engine": "transformers", "batch": batch,
-                                 "new_tokens": new, "tok_per_s": batch * new / theirs,
-                                 "ms_per_step": 1e3 * theirs / new})
-                    row["x_transformers"] = theirs / ours
-                if batch == 1:
-                    row["x_naive"] = row["tok_per_s"] * step  # naive runs 1/step tokens/s
-                rows.append(row)
+                    runs["transformers"] = functools.partial(
+                        hf_generate_seconds, model, prompts, new)
+                for run in runs.values():
+                    run()  # compile (ours) and warm up, untimed
+                times = interleaved(runs, args.rounds)
+                median = {engine: float(np.median(t)) for engine, t in times.items()}
+                for engine, t in times.items():
+                    row = {"preset": name, "engine": engine, "batch": batch, "new_tokens": new,
+                           "tok_per_s": batch * new / median[engine],
+                           "ms_per_step": 1e3 * median[engine] / new,
+                           "ms_per_step_rounds": [round(1e3 * x / new, 1) for x in t]}
+                    if engine == "gpt-jax" and model is not None:
+                        row["x_transformers"] = median["transformers"] / median[engine]
+                    if engine == "gpt-jax" and batch == 1:
+                        row["x_naive"] = row["tok_per_s"] * step  # naive runs 1/step tokens/s
+                    if engine == "gpt-jax bf16":
+                        row["x_float32"] = median["gpt-jax"] / median[engine]
+                    rows.append(row)
 
     def plot(ax, rows):
         for engine in ("naive", "gpt-jax", "gpt-jax bf16", "transformers"):
@@ -443,6 +473,8 @@ def main(argv=None) -> None:
     p.add_argument("--tag", default="", help="suffix of the result file names (--tag=-x)")
     p.add_argument("--bf16", action="store_true", help="also time ours with bfloat16 weights "
                    "and KV cache")
+    p.add_argument("--rounds", type=int, default=3, help="timed runs of each engine, taken "
+                   "in turn; each figure is the median")
     p = sub.add_parser("live-length")
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
