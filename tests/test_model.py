@@ -1,10 +1,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import assert_close
 from gpt_jax import GPTConfig, forward, init_params
-from gpt_jax.model import attend, decode_layout
+from gpt_jax.model import OutputMajor, attend, decode_layout
 from inference import decode_step, init_cache, prefill
 
 
@@ -34,15 +35,19 @@ def test_prefill_then_decode_equals_forward(config, params):
     assert int(cache.lengths[0]) == len(seq) and not bool(cache.overflow[0])
 
 
-def test_decode_layout_gives_the_same_logits(config, params):
+@pytest.mark.parametrize("prompt", [4, OutputMajor.MANY_ROWS])  # w^T x, and x w^T (prefill)
+def test_decode_layout_gives_the_same_logits(config, params, prompt):
     """The inference programs run the weights output-major and unstacked (`decode_layout`);
-    prefill and decode with them equal the stacked, input-major params (the scan path)."""
+    prefill and decode with them equal the stacked, input-major params (the scan path), with
+    few prompt rows and with `OutputMajor.MANY_ROWS` (computed in the other orientation)."""
     laid_out = jax.jit(decode_layout)(params)
     assert decode_layout(laid_out) is laid_out  # already laid out: unchanged, no copy
-    tokens, lengths = jnp.asarray([[3, 4, 5, 6], [7, 8, 0, 0]], jnp.int32), jnp.array([4, 2])
+    rng = np.random.default_rng(prompt)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, prompt)), jnp.int32)
+    lengths = jnp.array([prompt, prompt // 2])
     results = []
     for p in (params, laid_out):
-        l1, cache = prefill(p, config, tokens, lengths, init_cache(config, 2, 16))
+        l1, cache = prefill(p, config, tokens, lengths, init_cache(config, 2, prompt + 4))
         l2, _ = decode_step(p, config, jnp.array([9, 10]), cache)
         results.append((l1, l2))
     (a1, a2), (b1, b2) = results
