@@ -243,7 +243,9 @@ ffi::Error run(ffi::ThreadPool& pool, const float* q, const int32_t* lengths, in
       const int64_t length = std::min<int64_t>(lengths[b], capacity);
       const float* q_GH = q + item * G * H;
       float* out_GH = out + item * G * H;
-      if (H == 64) {
+      if (H == 32) {  // the shakespeare-char and nanogpt-cpu presets
+        attend_vectorized<T, 32>(q_GH, keys, values, b, k, K, G, length, out_GH);
+      } else if (H == 64) {  // GPT-2
         attend_vectorized<T, 64>(q_GH, keys, values, b, k, K, G, length, out_GH);
       } else if (H == 128) {
         attend_vectorized<T, 128>(q_GH, keys, values, b, k, K, G, length, out_GH);

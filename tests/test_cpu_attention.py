@@ -41,7 +41,7 @@ def _reference(q_KGH, k_KSH, v_KSH, length):
     return np.einsum("kgs,ksh->kgh", probs_KGS, v_KSH[:, :length])
 
 
-@pytest.mark.parametrize("H", [8, 64, 128])  # any head dim; the two compiled for registers
+@pytest.mark.parametrize("H", [8, 32, 64, 128])  # any head dim; those compiled for registers
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("K", [4, 2, 1])  # multi-head, grouped-query, multi-query
 def test_kernel_batch_equals_full_attention_row_by_row(K, dtype, H):
