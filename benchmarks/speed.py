@@ -85,22 +85,17 @@ def save(name: str, rows: list[dict], plot, extra: dict | None = None) -> None:
     print(f"wrote {RESULTS / name}.json and .png")
 
 
-def timed(fn, repeats: int = 1) -> float:
-    """Best wall time of `fn()` over `repeats` runs, after one untimed (compiling) run."""
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def seconds(fn) -> float:
     """Wall time of one `fn()` (its arrays ready)."""
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - start
+
+
+def timed(fn, repeats: int = 1) -> float:
+    """Best wall time of `fn()` over `repeats` runs, after one untimed (compiling) run."""
+    jax.block_until_ready(fn())
+    return min(seconds(fn) for _ in range(repeats))
 
 
 def interleaved(runs: dict, rounds: int) -> dict[str, list[float]]:

@@ -47,6 +47,17 @@ struct Pages {
   std::vector<int64_t> size;    // slots per page
 };
 
+// fn(slots, s, n) for each run of consecutive slots [s, s + n) of row `item` (= b * K + k)
+// that lies in [0, length), page by page; `slots` points at slot s, [n, H].
+template <typename T, typename Fn>
+void for_each_run(const Pages<T>& pages, int64_t item, int64_t H, int64_t length, Fn fn) {
+  for (size_t p = 0, s = 0; p < pages.data.size() && int64_t(s) < length; ++p) {
+    const int64_t size = pages.size[p], n = std::min<int64_t>(size, length - s);
+    fn(pages.data[p] + item * size * H, int64_t(s), n);
+    s += n;
+  }
+}
+
 // Row b, kv head k: out[G, H] = softmax(scores) v over the first `length` slots, any H.
 template <typename T>
 void attend_one(const float* q_GH, const Pages<T>& keys, const Pages<T>& values, int64_t b,
@@ -57,18 +68,16 @@ void attend_one(const float* q_GH, const Pages<T>& keys, const Pages<T>& values,
   scores_GS.resize(G * length);
   const float scale = 1.0f / std::sqrt(float(H));
 
-  for (size_t p = 0, s = 0; p < keys.data.size() && int64_t(s) < length; ++p) {
-    const int64_t size = keys.size[p], n = std::min<int64_t>(size, length - s);
-    const T* k_SH = keys.data[p] + (b * K + k) * size * H;
-    for (int64_t i = 0; i < n; ++i, ++s) {
+  for_each_run(keys, b * K + k, H, length, [&](const T* k_SH, int64_t s, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
       for (int64_t g = 0; g < G; ++g) {
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t h = 0; h < H; ++h) dot += q_GH[g * H + h] * to_f32(k_SH[i * H + h]);
-        scores_GS[g * length + s] = dot * scale;
+        scores_GS[g * length + s + i] = dot * scale;
       }
     }
-  }
+  });
   for (int64_t g = 0; g < G; ++g) {
     float* row = scores_GS.data() + g * length;
     const float max = *std::max_element(row, row + length);
@@ -76,18 +85,16 @@ void attend_one(const float* q_GH, const Pages<T>& keys, const Pages<T>& values,
     for (int64_t s = 0; s < length; ++s) total += (row[s] = std::exp(row[s] - max));
     for (int64_t s = 0; s < length; ++s) row[s] /= total;
   }
-  for (size_t p = 0, s = 0; p < values.data.size() && int64_t(s) < length; ++p) {
-    const int64_t size = values.size[p], n = std::min<int64_t>(size, length - s);
-    const T* v_SH = values.data[p] + (b * K + k) * size * H;
-    for (int64_t i = 0; i < n; ++i, ++s) {
+  for_each_run(values, b * K + k, H, length, [&](const T* v_SH, int64_t s, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
       for (int64_t g = 0; g < G; ++g) {
-        const float prob = scores_GS[g * length + s];
+        const float prob = scores_GS[g * length + s + i];
         float* o = out_GH + g * H;
 #pragma omp simd
         for (int64_t h = 0; h < H; ++h) o[h] += prob * to_f32(v_SH[i * H + h]);
       }
     }
-  }
+  });
 }
 
 // Run fn(0..n-1) on the calling thread and the pool. Items are claimed from a shared
@@ -169,9 +176,7 @@ void attend_vectorized(const float* q_GH, const Pages<T>& keys, const Pages<T>& 
   for (int64_t g = 0; g < G; ++g) {
     f32x8 q[C];
     for (int64_t c = 0; c < C; ++c) q[c] = load8(q_GH + g * H + c * 8) * scale;
-    for (size_t p = 0, s = 0; p < keys.data.size() && int64_t(s) < length; ++p) {
-      const int64_t size = keys.size[p], n = std::min<int64_t>(size, length - s);
-      const T* k_SH = keys.data[p] + (b * K + k) * size * H;
+    for_each_run(keys, b * K + k, H, length, [&](const T* k_SH, int64_t s, int64_t n) {
       int64_t i = 0;
       for (; i + 4 <= n; i += 4) {
         const T* k0 = k_SH + i * H;
@@ -193,21 +198,17 @@ void attend_vectorized(const float* q_GH, const Pages<T>& keys, const Pages<T>& 
         for (int64_t c = 1; c < C; ++c) a += q[c] * load8(k_SH + i * H + c * 8);
         scores[s + i] = sum8(a);
       }
-      s += n;
-    }
+    });
     const float max = *std::max_element(scores, scores + length);
     float total = 0.0f;
     for (int64_t s = 0; s < length; ++s) total += (scores[s] = std::exp(scores[s] - max));
     f32x8 out[C] = {};
-    for (size_t p = 0, s = 0; p < values.data.size() && int64_t(s) < length; ++p) {
-      const int64_t size = values.size[p], n = std::min<int64_t>(size, length - s);
-      const T* v_SH = values.data[p] + (b * K + k) * size * H;
+    for_each_run(values, b * K + k, H, length, [&](const T* v_SH, int64_t s, int64_t n) {
       for (int64_t i = 0; i < n; ++i) {
         const float weight = scores[s + i];
         for (int64_t c = 0; c < C; ++c) out[c] += weight * load8(v_SH + i * H + c * 8);
       }
-      s += n;
-    }
+    });
     for (int64_t c = 0; c < C; ++c) {
       const f32x8 normalized = out[c] / total;
       std::memcpy(out_GH + g * H + c * 8, &normalized, sizeof normalized);

@@ -8,8 +8,9 @@ At gpt2 batch 32 that was ~45 ms of a ~170 ms decode step. The kernel spreads th
 slots. On GPU and TPU the XLA path runs (`jax.lax.platform_dependent`).
 
 The kernel is compiled from source on first use (about 5 s on an idle 2-core machine) with
-the C++ compiler (`$CXX`, default `g++`) against the FFI headers jaxlib ships (`jax.ffi.include_dir()`), and cached under
-`$XDG_CACHE_HOME/gpt-jax` (default `~/.cache/gpt-jax`) per source, jaxlib version and CPU.
+the C++ compiler (`$CXX`, default `g++`) against the FFI headers jaxlib ships
+(`jax.ffi.include_dir()`), and cached under `$XDG_CACHE_HOME/gpt-jax` (default
+`~/.cache/gpt-jax`) per source, jaxlib version and CPU.
 If it cannot be built, a warning says why and the XLA path runs; `GPT_JAX_CPU_KERNEL=0`
 turns it off.
 """

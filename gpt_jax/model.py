@@ -110,10 +110,11 @@ def linear(x: jax.Array, w_IO: jax.Array | OutputMajor, b_O: jax.Array) -> jax.A
     matmuls is chosen by hand (see `_matmul_fwd`).
     """
     lead, x_MI = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    if isinstance(w_IO, OutputMajor) and x_MI.shape[0] >= OutputMajor.MANY_ROWS:
-        out_MO = x_MI @ w_IO.w_OI.T
-    elif isinstance(w_IO, OutputMajor):
-        out_MO = jax.lax.optimization_barrier(w_IO.w_OI @ x_MI.T).T
+    if isinstance(w_IO, OutputMajor):
+        if x_MI.shape[0] >= OutputMajor.MANY_ROWS:
+            out_MO = x_MI @ w_IO.w_OI.T
+        else:
+            out_MO = jax.lax.optimization_barrier(w_IO.w_OI @ x_MI.T).T
     else:
         out_MO = _matmul(x_MI, w_IO)
     out_MO = out_MO + b_O[None]
