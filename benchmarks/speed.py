@@ -35,8 +35,8 @@ import numpy as np
 
 from gpt_jax import GPTConfig, init_params
 from gpt_jax.model import decode_layout
-from inference import SamplingParams, compile_counts, generate, naive_generate
-from inference.engine import LoopCache, cached_model, page
+from inference import SamplingParams, compile_counts, generate
+from inference.engine import cached_model, init_cache_rows
 from inference.naive import naive_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -244,7 +244,6 @@ def decode_runner(params, config, batch, capacity, live, steps=8):
     steps do not advance, so the live length stays fixed. The cache takes the dtype of the
     params. Each step's logits pick the next tokens: left unused, XLA would drop the output
     projection and the last layer's attention as dead code."""
-    shape = (batch, config.n_layers, config.kv_heads, capacity, config.head_dim)
     dtype = params["wte"].dtype
 
     @jax.jit
@@ -260,9 +259,8 @@ def decode_runner(params, config, batch, capacity, live, steps=8):
         start = (jnp.zeros((batch,), jnp.int32), cache)
         return jax.lax.scan(body, start, None, length=steps)[0]
 
-    cache = page(LoopCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                           lengths=jnp.full((batch,), live, jnp.int32),
-                           overflow=jnp.zeros((batch,), bool)))
+    cache = init_cache_rows(config, batch, capacity, dtype)
+    cache = cache.replace(lengths=jnp.full((batch,), live, jnp.int32))
     return functools.partial(run, params, cache)  # .func.lower(*.args) gives its HLO
 
 

@@ -5,7 +5,7 @@ Why: XLA:CPU computes one query's attention over the cache as batched matrix-vec
 on ONE thread, at about half the memory bandwidth two cores reach, and reads whole pages.
 At gpt2 batch 32 that was ~45 ms of a ~170 ms decode step. The kernel spreads the
 (row, kv head) pairs over XLA's intra-op thread pool and reads exactly each row's live
-slots. On GPU and TPU the XLA path runs (`jax.lax.platform_dependent`).
+slots, page by page through the row's page table. On GPU and TPU the XLA path runs (`jax.lax.platform_dependent`).
 
 The kernel is compiled from source on first use (about 5 s on an idle 2-core machine) with
 the C++ compiler (`$CXX`, default `g++`) against the FFI headers jaxlib ships
@@ -98,25 +98,30 @@ def available() -> bool:
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.GptJaxPagedDecodeAttention),
                                 platform="cpu")
-    # Every operand's leading axis is the batch: a batch split over a mesh stays split.
-    jax.ffi.register_ffi_target_as_batch_partitionable(TARGET)
     return True
 
 
-def paged_decode_attention(q_KGH: jax.Array, k_pages, v_pages, length) -> jax.Array:
-    """Attention of one query per kv-head group over slots [0, length) of a row's paged
-    cache (`gpt_jax.cache.split_pages`), on CPU. Call only when `available()`.
+def paged_decode_attention(q_KGH: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           page_table_M: jax.Array, length) -> tuple[jax.Array, jax.Array]:
+    """Attention of G queries per kv head over slots [0, length) of one row's pages, on CPU.
+    Call only when `available()`.
 
     Args:
       q_KGH: queries, `[K, G, H]` (any float dtype; computed in float32).
-      k_pages, v_pages: tuples of `[K, P_i, H]` pages of consecutive slots, float32 or
-        bfloat16, keys and values alike.
-      length: int scalar, slots to attend; 0 gives zeros, past the last page all slots.
+      k_pool, v_pool: `[num_pages, K, P, H]` page pools shared by all rows (`gpt_jax.cache`),
+        float32 or bfloat16.
+      page_table_M: int32 `[M]`, the row's pages in order (a negative entry ends the row).
+      length: int scalar, slots to attend; 0 gives zeros, past the row's pages all of them.
     Returns:
-      float32 `[K, G, H]`: softmax(q k^T / sqrt(H)) v with a float32 softmax.
-    Under `jax.vmap` every argument gains the batch axis (`vmap_method="broadcast_all"`) and
-    the kernel runs the whole batch in one call.
+      `(out_KGH, lse_KG)`, float32: softmax(q k^T / sqrt(H)) v with a float32 softmax, and
+      the log of its denominator (`gpt_jax.model.MASK_VALUE` for a row with no slot).
+    Under `jax.vmap` the row arguments gain the batch axis, the shared pools a leading axis
+    of 1 (`vmap_method="expand_dims"`: never copied per row), and the kernel runs the whole
+    batch in one call.
     """
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_KGH.shape, jnp.float32),
-                            vmap_method="broadcast_all")
-    return call(q_KGH.astype(jnp.float32), jnp.asarray(length, jnp.int32), *k_pages, *v_pages)
+    K, G, _ = q_KGH.shape
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q_KGH.shape, jnp.float32),
+                                     jax.ShapeDtypeStruct((K, G), jnp.float32)),
+                            vmap_method="expand_dims")
+    return call(q_KGH.astype(jnp.float32), jnp.asarray(length, jnp.int32),
+                jnp.asarray(page_table_M, jnp.int32), k_pool, v_pool)

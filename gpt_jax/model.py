@@ -10,15 +10,14 @@ Shape alphabet, used in einsum strings and variable suffixes everywhere in this 
   B batch, T query length, S cache/key length, D d_model, N query heads, K kv heads,
   G query heads per kv head (N = K * G), H head dim, F MLP hidden width, V vocab, L layers.
 
-Three paths share every layer function except the attention core: `transformer` runs T new
-tokens of one sequence against that sequence's KV cache (blockwise attention that reads only
-the live cache), writing their keys and values at the row's current length; `inference.engine`
-vmaps it as prefill and decode over padded batches. `decode_paged` runs one new token against
-a paged cache (`gpt_jax.cache.split_pages`), the layout of the generation loop. `forward` runs
-whole sequences with no cache and a plain masked attention: the training path, and the
-reference the cached paths are tested against. Inference runs the weights in `decode_layout`
-(layers unstacked, block matrices `OutputMajor`); every function but `decode_paged` takes
-either layout. Definitions go from leaves to root.
+Two paths share every layer function except the attention core. `transformer` runs T new
+tokens of ONE sequence against that sequence's pages of the paged KV cache
+(`gpt_jax.cache.PagedKVCache`, read only) and returns their keys and values for the caller
+to store (`gpt_jax.cache.write`); `inference.engine` vmaps it as prefill (T tokens) and as
+the decode step (T = 1) over padded batches. `forward` runs whole sequences with no cache
+and a plain masked attention: the training path, and the reference the cached path is
+tested against. Inference runs the weights in `decode_layout` (layers unstacked, block
+matrices `OutputMajor`); every function takes either layout. Definitions go from leaves to root.
 """
 
 from __future__ import annotations
@@ -173,58 +172,81 @@ def _online_softmax_block(state, q_TKGH, k_KSH, v_KSH, mask_TS):
     return new_max_KGT, sum_KGT * rescale_KGT + probs_KGTS.sum(-1), acc_KGTH
 
 
-def _attend_pages(state, q_TKGH, k_pages, v_pages, length, bound):
-    """Fold in slots [0, length) of a paged layer cache (`kv.split_pages`: a tuple of
-    `[K, P, H]` pages of consecutive slots), reading only the pages below `bound`.
+def _prefix_state_xla(q_TKGH, k_pool, v_pool, page_table_M, length, bound):
+    """The online-softmax state of queries `q_TKGH` over cache slots [0, length) of one
+    row's pages, reading the pages below `bound` (>= length) in blocks of ATTENTION_BLOCK
+    slots: each block's pages are gathered from the pools by the row's page table.
 
-    Each live page goes to the matmuls whole, as its own buffer: a `lax.switch` on the loop
-    index picks it, so no page is sliced or copied (see `gpt_jax.cache`).
+    `bound` is the trip count's source: a Python int (static loop) or a traced scalar shared
+    by a vmapped batch (a `while_loop`: the work follows the live length, not the capacity).
     """
-    T = q_TKGH.shape[0]
-    spans = kv.page_spans(sum(p.shape[1] for p in k_pages), k_pages[0].shape[1])
+    num_pages, K, P, H = k_pool.shape
+    M, T = page_table_M.shape[0], q_TKGH.shape[0]
+    per_block = max(1, min(M, ATTENTION_BLOCK // P))
+    table = jnp.pad(page_table_M, (0, -M % per_block), constant_values=kv.NO_PAGE)
 
-    def fold_page(i):
-        lo, size = spans[i]
-
-        def fold(state):
-            slot_S = lo + jnp.arange(size)
-            mask_TS = jnp.broadcast_to((slot_S < length)[None], (T, size))
-            return _online_softmax_block(state, q_TKGH, k_pages[i], v_pages[i], mask_TS)
-
-        return fold
-
-    n_live = sum((lo < jnp.asarray(bound)).astype(jnp.int32) for lo, _ in spans)
-    branches = [fold_page(i) for i in range(len(spans))]
-    return jax.lax.fori_loop(0, n_live, lambda i, s: jax.lax.switch(i, branches, s), state)
-
-
-def _attend_cache(state, q_TKGH, k_LKSH, v_LKSH, layer, length, bound):
-    """Fold in cache slots [0, length) of `layer`, reading only the blocks below `bound`.
-
-    `bound` >= length is the trip count's source: a Python int (static loop), or a traced
-    scalar (a `while_loop`, so the work follows the live length, not the capacity S). The
-    last block is shifted back to end at S and its slots already seen are masked off.
-    """
-    K, S, H = k_LKSH.shape[1:]
-    block = min(ATTENTION_BLOCK, S)
-    T = q_TKGH.shape[0]
+    def gather(pool, ids):  # [per_block, K, P, H] pages -> [K, per_block * P, H] slots
+        pages = pool[jnp.clip(ids, 0, num_pages - 1)]
+        return jnp.swapaxes(pages, 0, 1).reshape(K, per_block * P, H)
 
     def body(i, state):
-        lo = i * block
-        first = jnp.minimum(lo, S - block)
-        k_KSH = jax.lax.dynamic_slice(k_LKSH, (layer, 0, first, 0), (1, K, block, H))[0]
-        v_KSH = jax.lax.dynamic_slice(v_LKSH, (layer, 0, first, 0), (1, K, block, H))[0]
-        slot_S = first + jnp.arange(block)
-        mask_TS = jnp.broadcast_to(((slot_S >= lo) & (slot_S < length))[None], (T, block))
-        return _online_softmax_block(state, q_TKGH, k_KSH, v_KSH, mask_TS)
+        ids = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block)
+        slot_S = i * per_block * P + jnp.arange(per_block * P)
+        live_S = (slot_S < length) & jnp.repeat(ids >= 0, P)
+        # Masked slots may hold anything (another request's old entries): zero them, as a
+        # NaN there would survive a zero probability.
+        v_KSH = jnp.where(live_S[None, :, None], gather(v_pool, ids), 0)
+        mask_TS = jnp.broadcast_to(live_S[None], (T, per_block * P))
+        return _online_softmax_block(state, q_TKGH, gather(k_pool, ids), v_KSH, mask_TS)
 
+    block_slots = per_block * P
     if isinstance(bound, int):
-        n_blocks = -(-min(bound, S) // block)
-        if n_blocks == 0:
-            return state
+        n_blocks = -(-min(bound, M * P) // block_slots)
     else:
-        n_blocks = -(-jnp.minimum(bound, S) // block)
-    return jax.lax.fori_loop(0, n_blocks, body, state)
+        n_blocks = -(-jnp.minimum(bound, M * P) // block_slots)
+    return jax.lax.fori_loop(0, n_blocks, body, _init_softmax(q_TKGH))
+
+
+def _prefix_state_kernel(q_TKGH, k_pool, v_pool, page_table_M, length):
+    """`_prefix_state_xla`'s state from the CPU kernel (`gpt_jax.cpu_attention`), which
+    reads exactly slots [0, length): the normalized output, its log-sum-exp as the running
+    maximum and a total of one (zero for an empty prefix)."""
+    T, K, G, H = q_TKGH.shape
+    q_KQH = jnp.einsum("TKGH->KTGH", q_TKGH).reshape(K, T * G, H)
+    out_KQH, lse_KQ = cpu_attention.paged_decode_attention(q_KQH, k_pool, v_pool, page_table_M,
+                                                           length)
+    lse_KGT = jnp.einsum("KTG->KGT", lse_KQ.reshape(K, T, G))
+    acc_KGTH = jnp.einsum("KTGH->KGTH", out_KQH.reshape(K, T, G, H))
+    total_KGT = jnp.broadcast_to(jnp.where(length > 0, 1.0, 0.0), lse_KGT.shape)
+    return lse_KGT, total_KGT, acc_KGTH
+
+
+def attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table_M, length, bound):
+    """Causal attention of T new queries at positions length..length+T-1 of one sequence.
+
+    The keys are the row's cached slots [0, length), found through its page table in the
+    layer's pools `[num_pages, K, P, H]` (`gpt_jax.cache`), then the T new keys themselves
+    (causal among themselves). Blockwise online softmax: no `[T, S]` score matrix is formed.
+    A decode step (T = 1) on CPU reads the pages with a kernel on all cores that touches
+    exactly the live slots (`gpt_jax.cpu_attention`; XLA:CPU's own dots run on one thread);
+    elsewhere, for prefill, or where the kernel cannot be built, XLA's blockwise path reads
+    the pages below `bound` (>= length, shared by a vmapped batch).
+    Equal (to float rounding) to `attend` over the whole sequence with the causal mask.
+
+    Returns:
+      `[T, N, H]` in the dtype of `v_TKH`; float32 softmax; a query with no visible key
+      gets zeros.
+    """
+    T, N, H = q_TNH.shape
+    K = k_TKH.shape[1]
+    q_TKGH = q_TNH.reshape(T, K, N // K, H)
+    args = (q_TKGH, k_pool, v_pool, page_table_M, length)
+    xla = lambda *args: _prefix_state_xla(*args, bound)  # noqa: E731
+    if T == 1 and cpu_attention.available():
+        state = jax.lax.platform_dependent(*args, cpu=_prefix_state_kernel, default=xla)
+    else:
+        state = xla(*args)
+    return _softmax_output(_attend_new(state, q_TKGH, k_TKH, v_TKH)).astype(v_TKH.dtype)
 
 
 def _attend_new(state, q_TKGH, k_TKH, v_TKH):
@@ -246,26 +268,6 @@ def _attend_new(state, q_TKGH, k_TKH, v_TKH):
 
     n_blocks = -(-T // block)
     return body(0, state) if n_blocks == 1 else jax.lax.fori_loop(0, n_blocks, body, state)
-
-
-def attend_cached(q_TNH, k_TKH, v_TKH, k_LKSH, v_LKSH, layer, length, bound):
-    """Causal attention of T new queries over a row's cache and the T new keys.
-
-    The keys are cache slots [0, length) of `layer` (positions before the new tokens) and
-    then the new keys `k_TKH` (positions length..length+T-1, causal among themselves). Only
-    cache blocks below `bound` (>= length) are read, so decode costs follow the live
-    length; blockwise online softmax never forms a `[T, S]` score matrix.
-    Equal (to float rounding) to `attend` over the written cache with the causal mask.
-
-    Returns:
-      [T, N, H] in the dtype of `v_TKH`; float32 softmax; a query with no visible key gets
-      zeros.
-    """
-    T, N, H = q_TNH.shape
-    K = k_TKH.shape[1]
-    q_TKGH = q_TNH.reshape(T, K, N // K, H)
-    state = _attend_cache(_init_softmax(q_TKGH), q_TKGH, k_LKSH, v_LKSH, layer, length, bound)
-    return _softmax_output(_attend_new(state, q_TKGH, k_TKH, v_TKH)).astype(v_TKH.dtype)
 
 
 def _init_softmax(q_TKGH):
@@ -310,14 +312,12 @@ def _new_qkv(p: Params, x_TD: jax.Array, cache_dtype):
     return q_TNH, k_TKH, v_TKH
 
 
-def attention(p: Params, x_TD: jax.Array, k_LKSH, v_LKSH, layer, length, bound):
-    """Causal self-attention of T new tokens at positions length..length+T-1 of one sequence.
-
-    Reads the row's cache (`[L, K, S, H]`, read-only here) at `layer`, slots below `length`.
-    Returns `(out_TD, (k_TKH, v_TKH))`: the new keys and values, for the caller to write.
-    """
-    q_TNH, k_TKH, v_TKH = _new_qkv(p, x_TD, k_LKSH.dtype)
-    out_TNH = attend_cached(q_TNH, k_TKH, v_TKH, k_LKSH, v_LKSH, layer, length, bound)
+def attention(p: Params, x_TD: jax.Array, k_pool, v_pool, page_table_M, length, bound):
+    """Causal self-attention of T new tokens at positions length..length+T-1 of one sequence,
+    against its cached slots in the layer's pools (read only, see `attend_paged`).
+    Returns `(out_TD, (k_TKH, v_TKH))`: the new keys and values, for the caller to store."""
+    q_TNH, k_TKH, v_TKH = _new_qkv(p, x_TD, k_pool.dtype)
+    out_TNH = attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table_M, length, bound)
     return _merge_heads(p, out_TNH.astype(x_TD.dtype)), (k_TKH, v_TKH)
 
 
@@ -330,150 +330,47 @@ def block(p: Params, x_TD, attend_fn, config: GPTConfig):
     return x_TD, extra
 
 
-def transformer(
-    params: Params,
-    tokens_T: jax.Array,
-    cache: kv.KVCache,
-    config: GPTConfig,
-    n_valid: jax.Array | int | None = None,
-    bound: jax.Array | int | None = None,
-) -> tuple[jax.Array, kv.KVCache]:
-    """Run T new tokens of ONE sequence through all layers, against that row's cache.
+def transformer(params: Params, tokens_T: jax.Array, cache: kv.PagedKVCache, config: GPTConfig,
+                bound: jax.Array | int | None = None):
+    """Run T new tokens of ONE sequence through all layers, against that sequence's cache.
 
-    The cache is only read inside the layer loop (only its live blocks, see `attend_cached`);
-    the new keys and values of all layers are written once at the end, in place when the
-    cache buffer is donated or carried through a loop.
+    The cache is only read (only its live pages, see `attend_paged`); the new keys and
+    values of every layer come back for the caller to store for all rows at once
+    (`gpt_jax.cache.write`), since the page pools are shared by the rows of a batch.
 
     Args:
-      tokens_T: int token ids; the first `n_valid` are real, the rest padding.
-      cache: one row of a KVCache (k, v `[L, K, S, H]`, scalar `lengths`, `overflow`). The
-        tokens take positions lengths..lengths+T-1 and are written to those slots.
-      n_valid: real tokens among the T (default all); the row's length advances by this.
-      bound: an upper bound on `cache.lengths` shared by every row of a vmapped batch (for
-        example the batch maximum, passed unmapped), so the blocks read are the same for
-        all rows; a Python int makes the loop static. Default: the row's own length.
+      tokens_T: int token ids at positions `cache.lengths`..+T-1 (padding after the real
+        ones is harmless: nothing reads it, and the caller stores only the real ones).
+      cache: ONE row's view of a PagedKVCache: the shared pools (`k`, `v`), its page table
+        row `[M]` and scalar `lengths` (see `gpt_jax.cache.CACHE_ROW_AXES`).
+      bound: an upper bound on `cache.lengths` shared by every row of a vmapped batch (the
+        batch maximum, passed unmapped), so every row reads the same number of pages; a
+        Python int makes the loop static. Default: the row's own length.
     Returns:
-      `(x_TD, cache)`: final hidden states (before the last LayerNorm) and the updated row.
+      `(x_TD, (k_LTKH, v_LTKH))`: final hidden states (before the last LayerNorm), and per
+      layer the T new keys and values `[T, K, H]` in the cache's dtype.
     """
     start = cache.lengths
     positions_T = start + jnp.arange(tokens_T.shape[0])
     x_TD = params["wte"][tokens_T] + params["wpe"][positions_T]
     bound = start if bound is None else bound
-
-    def step(x_TD, layer_in):
-        p, layer = layer_in
-        attend_fn = lambda p_attn, h_TD: attention(  # noqa: E731
-            p_attn, h_TD, cache.k, cache.v, layer, start, bound)
-        return block(p, x_TD, attend_fn, config)
-
-    if isinstance(params["blocks"], tuple):  # unstacked (see unstack_layers): unrolled
-        new_kv = []
-        for layer, p in enumerate(params["blocks"]):
-            x_TD, kv_TKH = step(x_TD, (p, layer))
-            new_kv.append(kv_TKH)
-        k_LTKH, v_LTKH = (jnp.stack(arrays) for arrays in zip(*new_kv))
-    else:
-        layers = (params["blocks"], jnp.arange(config.n_layers))
-        x_TD, (k_LTKH, v_LTKH) = jax.lax.scan(step, x_TD, layers)
-    write_layers = jax.vmap(kv.write, in_axes=(0, 0, None))
-    k_LKSH, ok_L = write_layers(cache.k, k_LTKH, start)
-    v_LKSH, _ = write_layers(cache.v, v_LTKH, start)
-    n_valid = tokens_T.shape[0] if n_valid is None else n_valid
-    ok = ok_L.all()
-    new_cache = cache.replace(
-        k=k_LKSH,
-        v=v_LKSH,
-        lengths=jnp.where(ok, start + n_valid, start).astype(jnp.int32),
-        overflow=cache.overflow | ~ok,
-    )
-    return x_TD, new_cache
-
-
-def attend_paged(q_1NH, k_1KH, v_1KH, k_pages, v_pages, length, bound):
-    """Causal attention of ONE new query at position `length` over a row's paged layer cache
-    (`kv.split_pages`: a tuple of `[K, P, H]` pages of consecutive slots).
-
-    The new key and value are written into slot `length` first; the query then attends over
-    slots [0, length] of the pages below `bound + 1` (`bound` >= length, shared by a vmapped
-    batch). Written before it is read, a page is updated in place: XLA need not keep (copy)
-    the old page for a read ordered after the write. On CPU the attention runs as a kernel
-    that reads exactly slots [0, length] on all cores (`gpt_jax.cpu_attention`; XLA:CPU's
-    own dots run on one thread); elsewhere, or where the kernel cannot be built, live pages
-    go to XLA's matmuls whole (`_attend_pages`), never sliced or copied.
-
-    Returns:
-      `(out_1NH, (k_pages, v_pages, ok))`: the output in the dtype of `v_1KH` (float32
-      softmax), the written pages, and `ok`, False when slot `length` is past the last page
-      (nothing written; see `kv.write_page_slot`).
-    """
-    k_pages, ok = kv.write_page_slot(k_pages, k_1KH, length)
-    v_pages, _ = kv.write_page_slot(v_pages, v_1KH, length)
-    T, N, H = q_1NH.shape
-    K = k_1KH.shape[1]
-    q_1KGH = q_1NH.reshape(T, K, N // K, H)
-
-    def xla(q_1KGH, k_pages, v_pages, length, bound):
-        state = _attend_pages(_init_softmax(q_1KGH), q_1KGH, k_pages, v_pages, length, bound)
-        return _softmax_output(state)
-
-    def cpu_kernel(q_1KGH, k_pages, v_pages, length, bound):
-        out_KGH = cpu_attention.paged_decode_attention(q_1KGH[0], k_pages, v_pages, length)
-        return out_KGH.reshape(T, N, H)
-
-    args = (q_1KGH, k_pages, v_pages, length + 1, bound + 1)
-    if cpu_attention.available():
-        out_1NH = jax.lax.platform_dependent(*args, cpu=cpu_kernel, default=xla)
-    else:
-        out_1NH = xla(*args)
-    return out_1NH.astype(v_1KH.dtype), (k_pages, v_pages, ok)
-
-
-def attention_paged(p: Params, x_1D: jax.Array, k_pages, v_pages, length, bound):
-    """Causal self-attention of ONE new token at position `length` of one sequence, against
-    its paged layer cache (`attend_paged`). Returns `(out_1D, (k_pages, v_pages, ok))`."""
-    q_1NH, k_1KH, v_1KH = _new_qkv(p, x_1D, k_pages[0].dtype)
-    out_1NH, written = attend_paged(q_1NH, k_1KH, v_1KH, k_pages, v_pages, length, bound)
-    return _merge_heads(p, out_1NH.astype(x_1D.dtype)), written
-
-
-def decode_paged(params: Params, token: jax.Array, cache: kv.KVCache, config: GPTConfig,
-                 advance: jax.Array, bound: jax.Array) -> tuple[jax.Array, kv.KVCache]:
-    """One decode step of ONE sequence against its paged cache: the token at position
-    `cache.lengths` through every layer (params in `decode_layout`).
-
-    Args:
-      params: in `decode_layout` (ValueError otherwise).
-      token: int scalar token id.
-      cache: one row whose k and v are per-layer tuples of pages (`kv.split_pages`).
-      advance: bool scalar; the row's length advances by one only if set (a finished row
-        is still fed, and stays where it is).
-      bound: an upper bound on `cache.lengths` shared by a vmapped batch (the batch
-        maximum, unmapped), so every row reads the same pages.
-    Returns:
-      `(x_D, cache)`: the final hidden state (before the last LayerNorm) and the row.
-    """
-    if not isinstance(params["blocks"], tuple):
-        raise ValueError("decode_paged runs params in decode_layout (layers unstacked)")
-    start = cache.lengths
-    x_1D = params["wte"][token][None] + params["wpe"][start][None]
-    k_layers, v_layers = [], []
-    for layer, p in enumerate(params["blocks"]):
-        attend_fn = lambda p_attn, h_1D, layer=layer: attention_paged(  # noqa: E731
-            p_attn, h_1D, cache.k[layer], cache.v[layer], start, bound)
-        x_1D, (k_pages, v_pages, ok) = block(p, x_1D, attend_fn, config)  # same ok per layer
-        k_layers.append(k_pages), v_layers.append(v_pages)
-    new_cache = cache.replace(
-        k=tuple(k_layers), v=tuple(v_layers),
-        lengths=jnp.where(ok & advance, start + 1, start).astype(jnp.int32),
-        overflow=cache.overflow | ~ok,
-    )
-    return x_1D[0], new_cache
+    blocks = params["blocks"]
+    if not isinstance(blocks, tuple):  # stacked on L: one weight slice per layer, unrolled
+        blocks = unstack_layers(params)["blocks"]
+    new_k, new_v = [], []
+    for layer, p in enumerate(blocks):
+        attend_fn = lambda p_attn, h_TD, layer=layer: attention(  # noqa: E731
+            p_attn, h_TD, cache.k[layer], cache.v[layer], cache.page_table, start, bound)
+        x_TD, (k_TKH, v_TKH) = block(p, x_TD, attend_fn, config)
+        new_k.append(k_TKH), new_v.append(v_TKH)
+    return x_TD, (tuple(new_k), tuple(new_v))
 
 
 def unstack_layers(params: Params) -> Params:
     """`params` with "blocks" as a tuple of L per-layer dicts instead of arrays stacked on L.
 
-    `transformer` runs such params as an unrolled Python loop. Inference programs do this once
+    `transformer` runs the layers as an unrolled Python loop over such params. Inference
+    programs do this once
     (inside `decode_layout`), outside their decode loop: slicing a layer out of the stack
     inside the loop (what `lax.scan` over stacked weights does) copies that layer's weights
     on every step, which doubles the memory traffic of a memory-bound decode step.

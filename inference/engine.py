@@ -1,16 +1,24 @@
-"""Inference: jitted prefill and decode step, and the generation loop as one XLA program.
+"""Inference: the jitted prefill and decode step over the paged KV cache, the generation loop
+as one XLA program, and `Engine`, which runs the same steps with continuous batching.
 
-Prefill and decode are written for one sequence (`gpt_jax.model.transformer` on one cache
-row; in the generation loop, `gpt_jax.model.decode_paged` on one row of a paged cache) and
-`jax.vmap`ped over a padded batch, so every row has its own length, write index and
-positions, and a row's output never depends on the other rows.
+Prefill and decode are written for one sequence (`gpt_jax.model.transformer` on one row of a
+`PagedKVCache`: its page table and length, the shared page pools read only) and `jax.vmap`ped
+over a padded batch, so every row has its own length, write position and positions, and a
+row's output never depends on the other rows. The new keys and values of all rows are then
+stored with one scatter per layer (`gpt_jax.cache.write`).
 
 `generate` runs the whole token loop inside one jitted program: a `lax.scan` over a chunk of
 steps inside a `lax.while_loop` that exits once every row has finished. A request with
-`n > 1` is prefilled once: the prompt rows are prefilled, then their cache rows, logits and
-prompt history are repeated (`take_rows`) into one decode row per sample. The loop takes the
-model as two functions (`prefill_fn`, `step_fn`), so `naive_generate` (inference.naive) runs
-the same loop, sampler and stop logic with full recomputation instead of a cache.
+`n > 1` is prefilled once, into the pages of its first sample's row; the other samples'
+rows get a copy of those pages. The loop takes the model as two functions (`prefill_fn`,
+`step_fn`), so `naive_generate` (inference.naive) runs the same loop, sampler and stop logic
+with full recomputation instead of a cache.
+
+`Engine` (continuous batching: requests join and leave between chunks of decode steps) runs
+the same `prefill` and decode step on one long-lived cache whose pages the host hands out
+(`inference.scheduler`): `engine_prefill` prefills chunks of prompts into their slots and
+inserts finished prompts into the decode state; `engine_decode` runs one chunk of decode
+steps for every occupied slot.
 
 Bounded compilation: prompt length, batch size and max_new_tokens are padded to power-of-two
 buckets, and sampling parameters are traced arrays, so a new program is compiled only for a
@@ -30,107 +38,100 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-import gpt_jax.model
-from gpt_jax.cache import CACHE_BATCH_AXES, KVCache, split_pages
+from gpt_jax import cache as kv
+from gpt_jax.cache import CACHE_ROW_AXES, PagedKVCache
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params, decode_layout, decode_paged, lm_head, transformer
+from gpt_jax.model import Params, decode_layout, lm_head, transformer
 from gpt_jax.params import check_params
 from inference import stopping
 from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, sample
+from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
 
 CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk boundaries
 MIN_PROMPT_BUCKET = 16
+PAGE_SIZE = 16  # token slots per KV page, unless a caller chooses another
 
 
 # ----------------------------------------------------------------------------- model steps
 
 
-def _prefill_row(params, tokens_T, length, cache, bound, *, config, padding_side):
+def _prefill_row(params, tokens_T, n_valid, cache_row, bound, *, config, padding_side):
     if padding_side == "left":  # move the real tokens to the front: positions start at 0
-        tokens_T = jnp.roll(tokens_T, length - tokens_T.shape[0])
-    x_TD, cache = transformer(params, tokens_T, cache, config, n_valid=length, bound=bound)
-    return lm_head(params, x_TD[jnp.maximum(length - 1, 0)], config), cache
+        tokens_T = jnp.roll(tokens_T, n_valid - tokens_T.shape[0])
+    x_TD, new_kv = transformer(params, tokens_T, cache_row, config, bound)
+    return lm_head(params, x_TD[jnp.maximum(n_valid - 1, 0)], config), new_kv
 
 
-def _decode_row(params, token, advance, cache, bound, *, config):
-    x_TD, cache = transformer(params, token[None], cache, config,
-                              n_valid=advance.astype(jnp.int32), bound=bound)
-    return lm_head(params, x_TD[0], config), cache
+def _decode_row(params, token, cache_row, bound, *, config):
+    x_TD, new_kv = transformer(params, token[None], cache_row, config, bound)
+    return lm_head(params, x_TD[0], config), new_kv
 
 
-def _decode_paged_row(params, token, advance, cache, bound, *, config):
-    x_D, cache = decode_paged(params, token, cache, config, advance, bound)
-    return lm_head(params, x_D, config), cache
+def _select(cache: PagedKVCache, slots_R) -> PagedKVCache:
+    """The rows `slots_R` of the cache (pools shared); a slot past the last is an empty row."""
+    take = lambda x, fill: jnp.take(x, slots_R, axis=0, mode="fill", fill_value=fill)  # noqa: E731
+    return cache.replace(page_table=take(cache.page_table, kv.NO_PAGE),
+                         lengths=take(cache.lengths, 0), overflow=take(cache.overflow, False))
 
 
-@struct.dataclass
-class LoopCache:
-    """The KV cache as the generation loop carries it: KVCache's fields, batch axis first.
-
-    vmap's batching rules move a mapped axis to the front before any dynamic slice or
-    scatter, so a cache carried as `[L, B, K, S, H]` would be transposed (copied whole) on
-    every decode step. Batch-major, the per-row reads and the write of the new token touch
-    only those slots, in place. Prefill writes it whole (`[B, L, K, S, H]`); the decode loop
-    carries it paged (`page`).
-    """
-
-    k: jax.Array | tuple  # [B, L, K, S, H] keys, or per layer a tuple of [B, K, P, H] pages
-    v: jax.Array | tuple  # values, as k
-    lengths: jax.Array  # [B] int32, slots written per row
-    overflow: jax.Array  # [B] bool, a write past the last slot was refused
+def _merge(cache: PagedKVCache, slots_R, rows: PagedKVCache) -> PagedKVCache:
+    """`cache` with the pools of `rows` and, at `slots_R`, its lengths and overflow flags."""
+    put = lambda x, y: x.at[slots_R].set(y, mode="drop")  # noqa: E731
+    return cache.replace(k=rows.k, v=rows.v, lengths=put(cache.lengths, rows.lengths),
+                         overflow=put(cache.overflow, rows.overflow))
 
 
-def _vmap_rows(row_fn, cache, *batched):
-    """vmap `row_fn(params, *batched_rows, cache_row, bound)` over the rows of a KVCache or
-    LoopCache. `bound` is the longest row's length, passed unmapped: every row reads the
-    same cache blocks, so the attention loop has one trip count (the live length)."""
-    loop = isinstance(cache, LoopCache)
-    cache_type, cache_axes = (LoopCache, 0) if loop else (KVCache, CACHE_BATCH_AXES)
-
-    def run(*args):
-        *rest, c, bound = args
-        logits, c = row_fn(*rest, KVCache(k=c.k, v=c.v, lengths=c.lengths, overflow=c.overflow),
-                           bound)
-        return logits, cache_type(k=c.k, v=c.v, lengths=c.lengths, overflow=c.overflow)
-
-    in_axes = (None,) + (0,) * (len(batched) - 1) + (cache_axes, None)
-    return jax.vmap(run, in_axes=in_axes, out_axes=(0, cache_axes))(
-        *batched, cache, cache.lengths.max()
-    )
+def run_rows(row_fn, params, cache: PagedKVCache, tokens, n_valid_B, *batched, slots=None):
+    """vmap `row_fn(params, tokens_row, *batched_rows, cache_row, bound)` over the rows of the
+    cache (or the rows `slots` of it), then store every row's first `n_valid_B` new keys and
+    values. `bound`, the longest row's length, is passed unmapped: every row reads the same
+    pages, so the attention loop has one trip count (the live length).
+    Returns `(logits, cache)`."""
+    rows = cache if slots is None else _select(cache, slots)
+    in_axes = (None, 0) + (0,) * len(batched) + (CACHE_ROW_AXES, None)
+    logits, (k_LBTKH, v_LBTKH) = jax.vmap(row_fn, in_axes=in_axes)(
+        params, tokens, *batched, rows, rows.lengths.max())
+    rows = kv.write(rows, k_LBTKH, v_LBTKH, n_valid_B, after=logits)
+    return logits, (rows if slots is None else _merge(cache, slots, rows))
 
 
-def _prefill(params, config, tokens_BT, lengths_B, cache, padding_side="right"):
+def _prefill(params, config, tokens_BT, lengths_B, cache, slots=None, padding_side="right"):
     row = functools.partial(_prefill_row, config=config, padding_side=padding_side)
-    return _vmap_rows(row, cache, params, tokens_BT, lengths_B)
+    return run_rows(row, params, cache, tokens_BT, lengths_B, lengths_B, slots=slots)
 
 
 def _decode(params, config, tokens_B, cache, advance_B):
     row = functools.partial(_decode_row, config=config)
-    return _vmap_rows(row, cache, params, tokens_B, advance_B)
+    return run_rows(row, params, cache, tokens_B, advance_B.astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "padding_side"))
-def prefill(params: Params, config: GPTConfig, tokens_BS, lengths_B, cache: KVCache,
-            padding_side: str = "right"):
-    """Run padded prompts into the cache. Returns `(logits_BV, cache)`.
+def prefill(params: Params, config: GPTConfig, tokens_BT, lengths_B, cache: PagedKVCache,
+            slots=None, padding_side: str = "right"):
+    """Run padded prompts (or prompt chunks) into the cache. Returns `(logits_BV, cache)`.
 
     Args:
-      tokens_BS: int32 prompts padded to a common length S; row b's real tokens are its
+      tokens_BT: int32 tokens padded to a common length T; row b's real tokens are its
         first `lengths_B[b]` (`padding_side="right"`) or its last (`"left"`).
-      lengths_B: int32 real prompt lengths, >= 1.
-      cache: written from each row's current length (0 for a fresh cache).
+      lengths_B: int32 real token counts, >= 1.
+      cache: a PagedKVCache; row b's tokens are written from its slot's current length (0
+        for a fresh slot; a later chunk of a prompt continues where the last one ended and
+        attends to it through the pages).
+      slots: int32 `[B]`, the cache slot of each row (default: row b is slot b); a slot
+        past the last is a padding row that writes nothing.
     Returns:
       float32 next-token logits `[B, V]` at each row's last real token, and the cache with
-      `lengths` advanced by `lengths_B`. A write past the cache end is refused and flagged
-      in `cache.overflow` (check bounds before calling; `generate` does).
+      those slots' lengths advanced. A slot whose tokens do not fit its pages writes none
+      and is flagged in `cache.overflow` (check bounds before calling; `generate` and
+      `Engine` do).
     """
-    return _prefill(params, config, tokens_BS, lengths_B, cache, padding_side)
+    return _prefill(params, config, tokens_BT, lengths_B, cache, slots, padding_side)
 
 
 @functools.partial(jax.jit, static_argnames="config")
-def decode_step(params: Params, config: GPTConfig, tokens_B, cache: KVCache):
-    """Feed one token per row at its current length. Returns `(logits_BV, cache)`, float32
-    logits `[B, V]` and the cache with every row's length advanced by one."""
+def decode_step(params: Params, config: GPTConfig, tokens_B, cache: PagedKVCache):
+    """Feed one token per slot at its current length. Returns `(logits_BV, cache)`, float32
+    logits `[B, V]` and the cache with every slot's length advanced by one."""
     return _decode(params, config, tokens_B, cache, jnp.ones(tokens_B.shape, bool))
 
 
@@ -139,14 +140,14 @@ def decode_step(params: Params, config: GPTConfig, tokens_B, cache: KVCache):
 
 @struct.dataclass
 class DecodeState:
-    model: KVCache | struct.PyTreeNode  # the cache (or, for naive decoding, the sequences)
+    model: PagedKVCache | struct.PyTreeNode  # the cache (or, for naive decoding, the sequences)
     logits: jax.Array  # [B, V] float32, next-token logits
-    tokens: jax.Array  # [B, N] int32, generated tokens; pad_id after a row's end
+    tokens: jax.Array  # [B, N] int32, generated tokens, at index = the row's step
     logprobs: jax.Array  # [B, N] float32, model log-prob of each token (0 if none asked, R = 0)
     top_ids: jax.Array  # [B, N, R] int32, most likely alternatives per step (R = 0 if off)
     top_logprobs: jax.Array  # [B, N, R] float32, their log-probs
-    step: jax.Array  # [] int32, index of the next token to generate
-    done: jax.Array  # [B] bool, row has finished
+    step: jax.Array  # [B] int32, tokens the row has generated (the index of its next one)
+    done: jax.Array  # [B] bool, row has finished (or holds no request)
     finish: jax.Array  # [B] int32, stopping.RUNNING / EOS / STOP / LENGTH
     num_tokens: jax.Array  # [B] int32, output tokens (EOS kept, a token stop sequence cut)
     recent: jax.Array  # [B, M] int32, last M generated tokens (stopping.BEFORE_START before)
@@ -164,13 +165,6 @@ def prompt_seen(tokens_PT, lengths_P, vocab_size: int):
     return jnp.zeros((P, vocab_size), jnp.int32).at[jnp.arange(P)[:, None], tokens_PT].add(real_PT) > 0
 
 
-def take_rows(model, source_B):
-    """Decode row b of the model state is prefill row `source_B[b]`: the n samples of one
-    prompt share its prefill. The batch axis is 0 of every leaf, except a KVCache's k and v."""
-    axes = CACHE_BATCH_AXES if isinstance(model, KVCache) else jax.tree.map(lambda _: 0, model)
-    return jax.tree.map(lambda x, axis: jnp.take(x, source_B, axis=axis), model, axes)
-
-
 def init_state(model, logits_BV, seen_BV, stops, *, n_steps, n_top) -> DecodeState:
     B, V = logits_BV.shape
     done_B = stops.max_new_tokens <= 0
@@ -181,7 +175,7 @@ def init_state(model, logits_BV, seen_BV, stops, *, n_steps, n_top) -> DecodeSta
         logprobs=jnp.zeros((B, n_steps), jnp.float32),
         top_ids=jnp.zeros((B, n_steps, n_top), jnp.int32),
         top_logprobs=jnp.zeros((B, n_steps, n_top), jnp.float32),
-        step=jnp.zeros((), jnp.int32),
+        step=jnp.zeros((B,), jnp.int32),
         done=done_B,
         finish=jnp.where(done_B, stopping.LENGTH, stopping.RUNNING),
         num_tokens=jnp.zeros((B,), jnp.int32),
@@ -191,27 +185,40 @@ def init_state(model, logits_BV, seen_BV, stops, *, n_steps, n_top) -> DecodeSta
     )
 
 
+def _token_logprobs(logits_BV, token_B, wanted_B, n_top: int):
+    """The sampled tokens' log-probs `[B]` and the `n_top` most likely `([B, R], [B, R])`,
+    computed only when some row asked (`wanted_B`): the [B, V] log-softmax and top-k cost
+    ~3% of a gpt2 batch-32 step."""
+    B = token_B.shape[0]
+
+    def compute(logits_BV):
+        logprobs_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+        token_logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
+        top_logprobs_BR, top_ids_BR = jax.lax.top_k(logprobs_BV, n_top)
+        return token_logprob_B, top_logprobs_BR, top_ids_BR.astype(jnp.int32)
+
+    def skip(_):
+        return (jnp.zeros((B,), jnp.float32), jnp.zeros((B, n_top), jnp.float32),
+                jnp.zeros((B, n_top), jnp.int32))
+
+    return jax.lax.cond(wanted_B.any(), compute, skip, logits_BV)
+
+
 def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
                stops: stopping.StopArrays, pad_id: int) -> DecodeState:
-    """Sample one token per running row, record it, then feed it to the model.
+    """Sample one token per running row, record it at the row's step, then feed it to the
+    model.
 
     Stop checks, in order: an EOS id (kept), a token stop sequence the output now ends with
     (cut: `num_tokens` drops its length), `max_new_tokens`. A finished row stops changing:
-    it records pad_id, adds nothing to its counts or log-probs, and its cache length no
-    longer advances.
+    it records nothing, adds nothing to its counts, and its cache length no longer advances.
     """
-    i, B = state.step, state.done.shape[0]
-    running_B = ~state.done
-    token_B = sample(state.logits, rows, state.prompt_seen, state.output_counts, i, pad_id)
+    B, n_steps = state.tokens.shape
+    step_B, running_B = state.step, ~state.done
+    token_B = sample(state.logits, rows, state.prompt_seen, state.output_counts, step_B, pad_id)
     token_B = jnp.where(running_B, token_B, pad_id)
-
-    if state.top_ids.shape[-1]:  # some row asked for log-probs (see `pack`)
-        logprobs_BV = jax.nn.log_softmax(state.logits, axis=-1)
-        token_logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
-        top_logprobs_BR, top_ids_BR = jax.lax.top_k(logprobs_BV, state.top_ids.shape[-1])
-    else:  # none did: skip the [B, V] log-softmax (~3% of a gpt2 batch-32 step)
-        token_logprob_B = jnp.zeros((B,), jnp.float32)
-        top_logprobs_BR, top_ids_BR = state.top_logprobs[:, 0], state.top_ids[:, 0]
+    token_logprob_B, top_logprobs_BR, top_ids_BR = _token_logprobs(
+        state.logits, token_B, running_B & (rows.logprobs >= 0), state.top_ids.shape[-1])
 
     num_tokens_B = state.num_tokens + running_B
     recent_BM = jnp.where(
@@ -231,19 +238,21 @@ def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
     # Always feed (finished rows do not advance): a lax.cond skipping the step once every
     # row is done made XLA copy the whole KV cache in both branches on every step.
     logits_BV, model = step_fn(token_B, state.model, ~done_B)
+    row_B, at_B = jnp.arange(B), jnp.where(running_B, step_B, n_steps)  # n_steps: dropped
+    record = lambda buf, x: buf.at[row_B, at_B].set(x, mode="drop")  # noqa: E731
     return state.replace(
         model=model,
         logits=logits_BV,
-        tokens=state.tokens.at[:, i].set(token_B),
-        logprobs=state.logprobs.at[:, i].set(jnp.where(running_B, token_logprob_B, 0.0)),
-        top_ids=state.top_ids.at[:, i].set(top_ids_BR),
-        top_logprobs=state.top_logprobs.at[:, i].set(top_logprobs_BR),
-        step=i + 1,
+        tokens=record(state.tokens, token_B),
+        logprobs=record(state.logprobs, token_logprob_B),
+        top_ids=record(state.top_ids, top_ids_BR),
+        top_logprobs=record(state.top_logprobs, top_logprobs_BR),
+        step=step_B + running_B,
         done=done_B,
         finish=finish_B,
         num_tokens=num_tokens_B - stop_len_B,
         recent=recent_BM,
-        output_counts=state.output_counts.at[jnp.arange(B), token_B].add(running_B.astype(jnp.int32)),
+        output_counts=state.output_counts.at[row_B, token_B].add(running_B.astype(jnp.int32)),
     )
 
 
@@ -265,83 +274,75 @@ def decode_loop(state, step_fn, rows, stops, pad_id) -> DecodeState:
 # ------------------------------------------------------------------- the cached model pair
 
 
-def page(cache: LoopCache) -> LoopCache:
-    """The cache with each layer's k and v split into pages of ATTENTION_BLOCK slots
-    (`gpt_jax.cache.split_pages`; one copy, after prefill): the decode loop's layout, where
-    attention hands live pages to its matmuls whole. Cutting blocks out of one buffer
-    instead copied every live block on every step, and with them a defensive copy of the
-    whole cache: removing both halved the gpt2 batch-32 step (408 -> 189 ms)."""
-    def pages(buf_BLKSH):
-        return tuple(split_pages(buf_BLKSH[:, layer], gpt_jax.model.ATTENTION_BLOCK, axis=2)
-                     for layer in range(buf_BLKSH.shape[1]))
-
-    return cache.replace(k=pages(cache.k), v=pages(cache.v))
+def fork_pages(cache: PagedKVCache, source_B) -> PagedKVCache:
+    """Row b continues the sequence of row `source_B[b]` (the n samples of one prompt): a row
+    whose source is another row gets a copy of that row's pages and its length. Rows own
+    equal page runs (`gpt_jax.cache.init_cache`)."""
+    B, M = cache.page_table.shape
+    copied_B = source_B != jnp.arange(B)
+    target_BM = jnp.where(copied_B[:, None], cache.page_table, cache.num_pages)
+    cache = kv.copy_pages(cache, cache.page_table[source_B].reshape(-1), target_BM.reshape(-1))
+    return cache.replace(lengths=cache.lengths[source_B])
 
 
 def cached_model(params, config, capacity, cache_dtype):
-    """`(prefill_fn, step_fn)` over a batch-major KV cache (`LoopCache`) of `capacity`
-    slots per row. The weights take the decode layout once here, outside the decode loop."""
+    """`(prefill_fn, step_fn)` over a paged KV cache whose rows own `capacity` token slots
+    each (`gpt_jax.cache.init_cache`). `prefill_fn(tokens_PT, lengths_P, source_B, forked)`
+    prefills the P prompts into the first decode row of each and, when `forked` (static:
+    some prompt has n > 1), copies their pages to the other rows of the same prompt. The
+    weights take the decode layout once here, outside the decode loop."""
     params = decode_layout(params)
 
-    def prefill_fn(tokens_BT, lengths_B):
-        B = tokens_BT.shape[0]
-        shape = (B, config.n_layers, config.kv_heads, capacity, config.head_dim)
-        cache = LoopCache(k=jnp.zeros(shape, cache_dtype), v=jnp.zeros(shape, cache_dtype),
-                          lengths=jnp.zeros((B,), jnp.int32), overflow=jnp.zeros((B,), bool))
-        logits_BV, cache = _prefill(params, config, tokens_BT, lengths_B, cache)
-        return logits_BV, page(cache)
+    def prefill_fn(tokens_PT, lengths_P, source_B, forked):
+        P, B = tokens_PT.shape[0], source_B.shape[0]
+        cache = init_cache_rows(config, B, capacity, cache_dtype)
+        if not forked:  # row p is prompt p (rows past the prompts are padding)
+            logits_PV, cache = _prefill(params, config, tokens_PT, lengths_P, cache)
+            return logits_PV[source_B], cache
+        first_P = jnp.full((P,), B, jnp.int32).at[source_B].min(jnp.arange(B, dtype=jnp.int32))
+        logits_PV, cache = _prefill(params, config, tokens_PT, lengths_P, cache, first_P)
+        return logits_PV[source_B], fork_pages(cache, first_P[source_B])
 
     def step_fn(tokens_B, cache, advance_B):
-        row = functools.partial(_decode_paged_row, config=config)
-        return _vmap_rows(row, cache, params, tokens_B, advance_B)
+        return _decode(params, config, tokens_B, cache, advance_B)
 
     return prefill_fn, step_fn
 
 
+def init_cache_rows(config, batch_size, capacity, cache_dtype) -> PagedKVCache:
+    """`gpt_jax.cache.init_cache` with pages of PAGE_SIZE slots (fewer for a short capacity)."""
+    return kv.init_cache(config, batch_size, capacity, cache_dtype,
+                         page_size=min(PAGE_SIZE, capacity))
+
+
 def _start(params, config, tokens_PT, lengths_P, source_B, stops, *, capacity, n_steps, n_top,
-           model_fns, cache_dtype):
+           model_fns, cache_dtype, forked):
     prefill_fn, _ = model_fns(params, config, capacity, cache_dtype)
-    logits_PV, model = prefill_fn(tokens_PT, lengths_P)
-    seen_PV = prompt_seen(tokens_PT, lengths_P, logits_PV.shape[-1])
-    return init_state(take_rows(model, source_B), jnp.take(logits_PV, source_B, axis=0),
-                      jnp.take(seen_PV, source_B, axis=0), stops, n_steps=n_steps, n_top=n_top)
+    logits_BV, model = prefill_fn(tokens_PT, lengths_P, source_B, forked)
+    seen_PV = prompt_seen(tokens_PT, lengths_P, logits_BV.shape[-1])
+    return init_state(model, logits_BV, jnp.take(seen_PV, source_B, axis=0), stops,
+                      n_steps=n_steps, n_top=n_top)
 
 
-_STATIC = ("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype", "pad_id")
+_STATIC = ("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype", "pad_id",
+           "forked")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def generate_program(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity,
-                     n_steps, n_top, model_fns, cache_dtype, pad_id):
+                     n_steps, n_top, model_fns, cache_dtype, pad_id, forked):
     """Prefill and the whole decode loop, as one compiled program."""
     state = _start(params, config, tokens_PT, lengths_P, source_B, stops, capacity=capacity,
-                   n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype)
+                   n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype,
+                   forked=forked)
     _, step_fn = model_fns(params, config, capacity, cache_dtype)
     return decode_loop(state, step_fn, rows, stops, pad_id)
-
-
-@functools.partial(jax.jit, static_argnames=tuple(s for s in _STATIC if s != "pad_id"))
-def start_program(params, config, tokens_PT, lengths_P, source_B, stops, *, capacity, n_steps,
-                  n_top, model_fns, cache_dtype):
-    """Prefill and the initial decode state (the first half of a streamed generation)."""
-    return _start(params, config, tokens_PT, lengths_P, source_B, stops, capacity=capacity,
-                  n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "capacity", "model_fns", "cache_dtype",
-                                             "pad_id"), donate_argnames="state")
-def chunk_program(params, config, state, rows, stops, *, capacity, model_fns, cache_dtype, pad_id):
-    """One chunk of decode steps (streaming runs this in a host loop). `state` is donated:
-    the KV cache is updated in place, not copied on every call, and the `state` passed in
-    must not be used again."""
-    _, step_fn = model_fns(params, config, capacity, cache_dtype)
-    return decode_chunk(state, step_fn, rows, stops, pad_id)
 
 
 def compile_counts() -> dict[str, int]:
     """Programs compiled so far by each jitted entry point (their jit cache sizes)."""
     fns = {"prefill": prefill, "decode_step": decode_step, "generate": generate_program,
-           "start": start_program, "chunk": chunk_program}
+           "engine_prefill": engine_prefill, "engine_decode": engine_decode}
     return {name: fn._cache_size() for name, fn in fns.items()}
 
 
@@ -378,10 +379,7 @@ class Batch:
     capacity: int  # KV cache slots per row
     n_steps: int  # token buffer length (bucketed max_new_tokens)
     n_top: int  # alternatives recorded per step
-
-
-def _bucket(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(0, n - 1).bit_length())
+    forked: bool  # some prompt has n > 1 rows (they copy its prefilled pages)
 
 
 def _expand_sampling(prompts, sampling) -> list[SamplingParams]:
@@ -456,9 +454,9 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
         for k in range(sp.n):
             rows.append(sp), source.append(p), seeds.append(seed), index.append(k)
     n_real = len(rows)
-    P, B = _bucket(len(prompts)), _bucket(n_real)
-    T = min(config.max_seq_len, _bucket(max(map(len, prompts)), MIN_PROMPT_BUCKET))
-    n_steps = _bucket(max(r.max_new_tokens for r in rows), CHUNK)
+    P, B = bucket(len(prompts)), bucket(n_real)
+    T = min(config.max_seq_len, bucket(max(map(len, prompts)), MIN_PROMPT_BUCKET))
+    n_steps = bucket(max(r.max_new_tokens for r in rows), CHUNK)
     capacity = min(config.max_seq_len, T + n_steps)
     tokens = np.full((P, T), pad_id, np.int32)
     lengths = np.ones((P,), np.int32)
@@ -483,6 +481,7 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
         capacity=capacity,
         n_steps=n_steps,
         n_top=MAX_LOGPROBS if want_logprobs else 0,
+        forked=n_real > len(prompts),
     )
 
 
@@ -517,14 +516,6 @@ def unpack(batch: Batch, state: DecodeState) -> list[Completion]:
     ]
 
 
-def mark_stopped(state: DecodeState, rows: list[int]) -> DecodeState:
-    """Finish the given rows with reason STOP (a stop string found on the host between
-    chunks): from the next chunk on they generate nothing."""
-    stopped_B = jnp.zeros(state.done.shape, bool).at[jnp.asarray(rows, jnp.int32)].set(True)
-    return state.replace(done=state.done | stopped_B,
-                         finish=jnp.where(stopped_B, stopping.STOP, state.finish))
-
-
 def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_id=0,
         cache_dtype=jnp.float32) -> list[Completion]:
     """Validate, pack, run one compiled generation program, unpack."""
@@ -537,8 +528,9 @@ def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_
     batch = pack(config, prompts, sampling, pad_id)
     state = generate_program(
         params, config, jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P),
-        jnp.asarray(batch.source_B), batch.rows, batch.stops, capacity=batch.capacity, n_steps=batch.n_steps, n_top=batch.n_top,
-        model_fns=model_fns, cache_dtype=cache_dtype, pad_id=pad_id,
+        jnp.asarray(batch.source_B), batch.rows, batch.stops, capacity=batch.capacity,
+        n_steps=batch.n_steps, n_top=batch.n_top, model_fns=model_fns, cache_dtype=cache_dtype,
+        pad_id=pad_id, forked=batch.forked,
     )
     return unpack(batch, state)
 
@@ -562,3 +554,407 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
     """
     return run(params, config, prompts, sampling, model_fns=cached_model,
                bos_token_id=bos_token_id, pad_id=pad_id, cache_dtype=cache_dtype)
+
+
+# ---------------------------------------------------------------------- continuous batching
+
+
+@struct.dataclass
+class PrefillBatch:
+    """One call's prompt chunks, a row each (rows past the real ones have slot = max_slots)."""
+
+    tokens: jax.Array  # [R, T] int32, the chunk's tokens, right-padded
+    n_valid: jax.Array  # [R] int32, real tokens in the chunk
+    start: jax.Array  # [R] int32, position of the chunk's first token
+    slot: jax.Array  # [R] int32, the cache slot and decode row
+    insert: jax.Array  # [R] bool, the chunk completes the prompt: the row joins the decode batch
+    step: jax.Array  # [R] int32, tokens the request had generated (a preempted one resumes)
+    recent: jax.Array  # [R, M] int32, its last M generated tokens (BEFORE_START before)
+    prompt_seen: jax.Array  # [R, V] bool, tokens of its prompt
+    output_counts: jax.Array  # [R, V] int32, occurrences among its generated tokens
+
+
+@functools.partial(jax.jit, static_argnames="config", donate_argnames="state")
+def engine_prefill(params, config, state: DecodeState, page_table, batch: PrefillBatch):
+    """Prefill one chunk per row into its slot (at `batch.start`, attending to what the slot
+    already holds), and insert every row whose prompt is now complete into the decode state:
+    its logits, history and step. `state` is donated: the cache is written in place."""
+    cache = state.model.replace(page_table=page_table)
+    cache = cache.replace(lengths=cache.lengths.at[batch.slot].set(batch.start, mode="drop"))
+    logits_RV, cache = _prefill(params, config, batch.tokens, batch.n_valid, cache, batch.slot)
+    at_R = jnp.where(batch.insert, batch.slot, state.done.shape[0])
+    put = lambda x, y: x.at[at_R].set(y, mode="drop")  # noqa: E731
+    return state.replace(
+        model=cache, logits=put(state.logits, logits_RV), step=put(state.step, batch.step),
+        num_tokens=put(state.num_tokens, batch.step), done=put(state.done, False),
+        finish=put(state.finish, stopping.RUNNING), recent=put(state.recent, batch.recent),
+        prompt_seen=put(state.prompt_seen, batch.prompt_seen),
+        output_counts=put(state.output_counts, batch.output_counts))
+
+
+def _first_rows(state: DecodeState, n: int) -> DecodeState:
+    """Decode rows 0..n-1 of `state` (the cache pools stay whole: they are shared)."""
+    first = lambda x: x[:n]  # noqa: E731
+    model = state.model.replace(page_table=first(state.model.page_table),
+                                lengths=first(state.model.lengths),
+                                overflow=first(state.model.overflow))
+    return jax.tree.map(first, state.replace(model=None)).replace(model=model)
+
+
+def _put_first_rows(state: DecodeState, rows: DecodeState) -> DecodeState:
+    """`state` with rows 0..n-1 replaced by `rows` (and its pools by theirs)."""
+    put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis=0)  # noqa: E731
+    model = state.model.replace(
+        k=rows.model.k, v=rows.model.v,
+        lengths=put(state.model.lengths, rows.model.lengths),
+        overflow=put(state.model.overflow, rows.model.overflow))
+    merged = jax.tree.map(put, state.replace(model=None), rows.replace(model=None))
+    return merged.replace(model=model)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "n_rows", "pad_id"),
+                   donate_argnames="state")
+def engine_decode(params, config, state: DecodeState, page_table, live_B, rows, stops, *,
+                  n_rows: int, pad_id: int):
+    """One chunk of decode steps for the first `n_rows` slots (every live slot among them):
+    rows not `live_B` are finished first (freed, aborted or stopped on the host). `state` is
+    donated: the cache is written in place."""
+    state = state.replace(model=state.model.replace(page_table=page_table),
+                          done=state.done | ~live_B)
+    first = lambda x: x[:n_rows]  # noqa: E731
+    step_fn = lambda tokens_B, cache, advance_B: _decode(  # noqa: E731
+        params, config, tokens_B, cache, advance_B)
+    chunk = decode_chunk(_first_rows(state, n_rows), step_fn, jax.tree.map(first, rows),
+                         jax.tree.map(first, stops), pad_id)
+    return _put_first_rows(state, chunk)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one sample of a request has produced so far (returned by `Engine.step`)."""
+
+    request_id: str
+    sample_index: int  # 0..n-1 for a request with n samples
+    token_ids: list[int]  # every generated token so far
+    new_token_ids: list[int]  # those generated since the last output of this sample
+    finished: bool
+    finish_reason: str | None  # "eos", "stop", "length", "abort"; None while running
+    seed: int  # the request's seed (see `Completion.seed`)
+    text: str | None = None  # decoded text so far, with a tokenizer (final text when finished)
+    new_text: str | None = None  # text since the last output (never a partial character or
+    #                              a possible start of a stop string)
+    logprobs: list[float] | None = None  # per token of token_ids, when asked
+    top_logprobs: list[dict[int, float]] | None = None  # the `logprobs` most likely per step
+
+
+INCOMPLETE = "\ufffd"  # what a byte-level decoder shows for a character missing bytes
+
+
+def _text_of(tokenizer, tokens: list[int], final: bool) -> str:
+    """Decoded text; while the row runs, without a trailing incomplete character."""
+    text = tokenizer.decode(tokens)
+    return text if final else text.rstrip(INCOMPLETE)
+
+
+def _stop_cut(tokenizer, tokens: list[int], text: str, stops) -> tuple[str, list[int]] | None:
+    """If `text` contains a stop string: the text before it and the tokens through the one
+    that completed it (the first prefix whose text reaches the stop string's end)."""
+    hit = stopping.find_stop(text, stops)
+    if hit is None:
+        return None
+    start, end = hit
+    k = next((k for k in range(1, len(tokens) + 1)
+              if len(_text_of(tokenizer, tokens[:k], final=False)) >= end), len(tokens))
+    return text[:start], tokens[:k]
+
+
+class Engine:
+    """Continuous batching (Orca's iteration-level scheduling, Yu et al. 2022) over one paged
+    KV cache (PagedAttention, Kwon et al. 2023), in the shape of vLLM's `LLMEngine`.
+
+        engine = Engine(params, config, tokenizer=None, max_slots=16)
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=20))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.request_id, out.new_token_ids, out.finished)
+
+    Each `step()` admits waiting requests into free slots, prefills up to
+    `max_prefill_tokens` prompt tokens (a long prompt goes in over several steps: chunked
+    prefill, so running requests keep producing tokens meanwhile), inserts the prompts that
+    are complete into the decode batch, runs one chunk of `CHUNK` decode steps for every
+    running request as one compiled `lax.scan`, and frees the pages and slot of every
+    request that finished. Requests join and leave between chunks. When the pages cannot
+    hold the next chunk of every running request, the most recently admitted request is
+    preempted (pages freed, output kept) and recomputed when a slot and pages free up.
+    With `prefix_caching`, full prompt pages are shared by requests whose prompts start
+    alike (`inference.scheduler`). A request's tokens do not depend on when it arrived or
+    on its neighbours: every row samples from its own seed, sample index and step.
+
+    Args:
+      params: model weights (either layout); config: their GPTConfig.
+      tokenizer: encodes string prompts and decodes `text`; needed for stop strings.
+      max_slots: most requests (samples) decoded at once.
+      num_pages, kv_cache_bytes: the page pool's size, in pages or in bytes
+        (`gpt_jax.cache.cache_bytes`); default: every slot can hold max_seq_len tokens.
+      page_size: token slots per page.
+      cache_dtype: "float32" or "bfloat16" (weights are cast to it too, as in `LLM`).
+      prefix_caching: share full prompt pages between requests (automatic prefix caching).
+      max_prefill_tokens: most prompt tokens prefilled per step (the chunk budget).
+    Raises:
+      ValueError: a size out of range, both num_pages and kv_cache_bytes given, a pool too
+        small for one max_seq_len request, or params that do not match `config`.
+    """
+
+    def __init__(self, params, config: GPTConfig, tokenizer=None, *, max_slots: int = 16,
+                 num_pages: int | None = None, kv_cache_bytes: int | None = None,
+                 page_size: int = PAGE_SIZE, cache_dtype="float32", prefix_caching: bool = True,
+                 max_prefill_tokens: int = 256):
+        for name, value in (("max_slots", max_slots), ("page_size", page_size),
+                            ("max_prefill_tokens", max_prefill_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Engine {name} must be an int >= 1, got {value!r}")
+        if num_pages is not None and kv_cache_bytes is not None:
+            raise ValueError("give the Engine num_pages or kv_cache_bytes, not both")
+        dtype = jnp.dtype(cache_dtype)
+        if dtype.name not in ("float32", "bfloat16"):
+            raise ValueError(f"Engine cache_dtype must be float32 or bfloat16, got {cache_dtype!r}")
+        max_pages = kv.pages_for(config.max_seq_len, page_size)
+        if kv_cache_bytes is not None:
+            num_pages = kv_cache_bytes // kv.cache_bytes(config, 1, page_size, dtype)
+        if num_pages is None:
+            num_pages = max_slots * max_pages
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"Engine num_pages must be an int >= 1, got {num_pages!r}"
+                             + (f" (from kv_cache_bytes={kv_cache_bytes})" if kv_cache_bytes else ""))
+        check_params(params, config)
+        self.params = jax.jit(decode_layout)(jax.tree.map(lambda a: a.astype(dtype), params))
+        self.config, self.tokenizer, self.cache_dtype = config, tokenizer, dtype
+        self.max_slots, self.num_pages, self.page_size = max_slots, num_pages, page_size
+        self.scheduler = Scheduler(max_slots=max_slots, num_pages=num_pages,
+                                   page_size=page_size, max_pages=max_pages,
+                                   max_prefill_tokens=max_prefill_tokens,
+                                   prefix_caching=prefix_caching)
+        self.widths = (4, 4, 4)  # stop arrays' (E, Q, M), grown on demand
+        cache = kv.empty_cache(config, num_pages, max_slots, max_pages, page_size, dtype)
+        B, V = max_slots, config.vocab_size
+        self.state = init_state(
+            cache, jnp.zeros((B, V), jnp.float32), jnp.zeros((B, V), bool),
+            stopping.StopArrays.from_lists([0] * B, [()] * B, [()] * B, self.widths),
+            n_steps=config.max_seq_len, n_top=MAX_LOGPROBS)
+        self.requests: dict[str, list[Sequence]] = {}  # unfinished requests' samples
+        self.finished_ids: set[str] = set()
+        self.finished_at_once: list[Sequence] = []  # max_new_tokens = 0: output next step
+        self.arrivals = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: list[int] | str,
+                    sampling: SamplingParams | None = None) -> None:
+        """Queue a request. Raises ValueError (before it is queued; the engine keeps serving
+        the others) for a duplicate request_id, an empty prompt or one with ids outside
+        the vocabulary, a prompt + max_new_tokens past max_seq_len or past what the page
+        pool can ever hold, stop strings or a text prompt without a tokenizer; TypeError for
+        sampling that is not SamplingParams."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: pass one to the Engine")
+            prompt = self.tokenizer.encode(prompt)
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass one to the Engine")
+        (prompt,), _ = validate(self.config, [prompt], [sampling])
+        if not prompt and sampling.max_new_tokens > 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; a prompt needs at "
+                             "least one token")
+        need = kv.pages_for(len(prompt) + sampling.max_new_tokens, self.page_size)
+        if need > self.num_pages:
+            raise ValueError(
+                f"request {request_id!r}: prompt length {len(prompt)} + max_new_tokens "
+                f"{sampling.max_new_tokens} needs {need} pages of {self.page_size} tokens, but "
+                f"the page pool has {self.num_pages}")
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(32)
+        seqs = [Sequence(request_id, k, prompt, sampling, seed, self.arrivals)
+                for k in range(sampling.n)]
+        self.arrivals += 1
+        self.requests[request_id] = seqs
+        self.finished_ids.discard(request_id)
+        self.widths = tuple(np.maximum(self.widths, stopping.needed_widths(
+            [sampling.stop_token_ids], [sampling.stop_sequences])))
+        if self.state.recent.shape[1] < self.widths[2]:  # longer stop sequences: wider window
+            grow = self.widths[2] - self.state.recent.shape[1]
+            self.state = self.state.replace(recent=jnp.pad(
+                self.state.recent, ((0, 0), (grow, 0)), constant_values=stopping.BEFORE_START))
+        for seq in seqs:
+            if sampling.max_new_tokens == 0:
+                seq.status, seq.finish_reason = Status.FINISHED, "length"
+                self.finished_at_once.append(seq)
+            else:
+                self.scheduler.waiting.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its pages and slot (finish reason "abort"). Aborting a
+        finished request does nothing; an unknown request_id raises KeyError."""
+        if request_id in self.finished_ids:
+            return
+        if request_id not in self.requests:
+            raise KeyError(f"unknown request_id {request_id!r}")
+        for seq in self.requests.pop(request_id):
+            if seq in self.finished_at_once:
+                self.finished_at_once.remove(seq)
+            if seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(seq)
+            self.scheduler.free(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self.finished_ids.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict:
+        """Counters: pages (total, free, in use), slots, queue lengths, preemptions, prefix
+        cache hits (pages reused) and prefilled tokens (tokens run through prefill)."""
+        s = self.scheduler
+        return {"total_pages": self.num_pages, "free_pages": s.pool.num_free(),
+                "pages_in_use": self.num_pages - s.pool.num_free(),
+                "cached_pages": len(s.pool.key_of), "max_slots": self.max_slots,
+                "running": sum(q.status == Status.RUNNING for q in s.active),
+                "prefilling": sum(q.status == Status.PREFILLING for q in s.active),
+                "waiting": len(s.waiting), "preemptions": s.preemptions,
+                "prefix_cache_hits": s.prefix_cache_hits, "prefilled_tokens": s.prefilled_tokens}
+
+    # ------------------------------------------------------------------ one iteration
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: admit, prefill a chunk, decode a chunk, collect. Returns
+        an output for every sample that produced tokens or finished in it."""
+        outputs = [self._output(seq) for seq in self.finished_at_once]  # max_new_tokens = 0
+        self.finished_at_once.clear()
+        s = self.scheduler
+        s.admit()
+        work = s.prefill_work()
+        if work:
+            self.state = engine_prefill(self.params, self.config, self.state,
+                                        jnp.asarray(s.page_table), self._prefill_batch(work))
+            s.prefilled(work)
+        s.reserve_decode(CHUNK)
+        running = [q for q in s.active if q.status == Status.RUNNING]
+        if running:
+            live = np.zeros(self.max_slots, bool)
+            live[[q.slot for q in running]] = True
+            n_rows = min(self.max_slots, bucket(max(q.slot for q in running) + 1))
+            rows, stops = self._row_arrays()
+            self.state = engine_decode(self.params, self.config, self.state,
+                                       jnp.asarray(s.page_table), jnp.asarray(live), rows, stops,
+                                       n_rows=n_rows, pad_id=0)
+            outputs += self._collect(running)
+        for request_id in [r for r, seqs in self.requests.items()
+                           if all(q.status == Status.FINISHED for q in seqs)]:
+            del self.requests[request_id]
+            self.finished_ids.add(request_id)
+        return outputs
+
+    def _prefill_batch(self, work: list[PrefillWork]) -> PrefillBatch:
+        R = bucket(len(work))
+        T = bucket(max(w.n for w in work), MIN_PROMPT_BUCKET)
+        V, M = self.config.vocab_size, self.state.recent.shape[1]
+        tokens = np.zeros((R, T), np.int32)
+        n_valid, start, step = (np.zeros(R, np.int32) for _ in range(3))
+        slot = np.full(R, self.max_slots, np.int32)
+        insert = np.zeros(R, bool)
+        recent = np.full((R, M), stopping.BEFORE_START, np.int32)
+        seen, counts = np.zeros((R, V), bool), np.zeros((R, V), np.int32)
+        for r, w in enumerate(work):
+            seq = w.seq
+            tokens[r, : w.n] = seq.target[w.start: w.start + w.n]
+            n_valid[r], start[r], slot[r] = w.n, w.start, seq.slot
+            if w.completes:
+                insert[r], step[r] = True, len(seq.output)
+                seen[r, seq.prompt] = True
+                np.add.at(counts[r], seq.output, 1)
+                tail = seq.output[-M:]
+                recent[r, M - len(tail):] = tail
+        return PrefillBatch(*map(jnp.asarray, (tokens, n_valid, start, slot, insert, step,
+                                               recent, seen, counts)))
+
+    def _row_arrays(self):
+        """Per-slot sampling and stop arrays (a free slot gets inert defaults)."""
+        by_slot: list[Sequence | None] = [None] * self.max_slots
+        for seq in self.scheduler.active:
+            by_slot[seq.slot] = seq
+        idle = SamplingParams(max_new_tokens=0)
+        params = [q.sampling if q else idle for q in by_slot]
+        rows = SamplingArrays.from_params(params, [q.seed if q else 0 for q in by_slot],
+                                          [q.sample_index if q else 0 for q in by_slot])
+        stops = stopping.StopArrays.from_lists(
+            [p.max_new_tokens for p in params], [p.stop_token_ids for p in params],
+            [p.stop_sequences for p in params], self.widths)
+        return rows, stops
+
+    def _collect(self, running: list[Sequence]) -> list[RequestOutput]:
+        """Read the decode state: new tokens of each running sample, finished ones freed."""
+        want_logprobs = any(q.sampling.logprobs is not None for q in running)
+        host = jax.device_get(self.state.replace(
+            model=None, logits=None, prompt_seen=None, output_counts=None,
+            **({} if want_logprobs else {"logprobs": None, "top_ids": None,
+                                         "top_logprobs": None})))
+        outputs = []
+        for seq in running:
+            b, old = seq.slot, len(seq.output)
+            step = int(host.step[b])
+            seq.output += host.tokens[b, old:step].tolist()
+            if seq.sampling.logprobs is not None:
+                k = seq.sampling.logprobs
+                seq.logprobs += host.logprobs[b, old:step].tolist()
+                seq.top_logprobs += [dict(zip(host.top_ids[b, i, :k].tolist(),
+                                              host.top_logprobs[b, i, :k].tolist()))
+                                     for i in range(old, step)]
+            if host.done[b]:
+                n = int(host.num_tokens[b])  # a token stop sequence is cut off
+                del seq.output[n:], seq.logprobs[n:], seq.top_logprobs[n:]
+                seq.status = Status.FINISHED
+                seq.finish_reason = stopping.FINISH_REASONS[int(host.finish[b])]
+                self.scheduler.free(seq)
+            outputs.append(self._output(seq, old))
+        return outputs
+
+    def _output(self, seq: Sequence, old: int | None = None) -> RequestOutput:
+        """The sample's RequestOutput; with a tokenizer, its text, cut at a stop string (which
+        finishes it)."""
+        old = len(seq.output) if old is None else old
+        text = new_text = None
+        if self.tokenizer is not None:
+            text, new_text = self._text(seq)
+        ask = seq.sampling.logprobs is not None
+        return RequestOutput(
+            seq.request_id, seq.sample_index, list(seq.output), seq.output[old:],
+            seq.status == Status.FINISHED, seq.finish_reason, seq.seed, text, new_text,
+            list(seq.logprobs) if ask else None, list(seq.top_logprobs) if ask else None)
+
+    def _text(self, seq: Sequence) -> tuple[str, str]:
+        """Text so far and the new part of it. While the sample runs, the text shown stops
+        before an incomplete UTF-8 character and before any tail that could still grow into
+        a stop string; a stop string found finishes the sample (reason "stop")."""
+        finished = seq.status == Status.FINISHED
+        text_tokens = seq.output[:-1] if seq.finish_reason == "eos" else seq.output
+        text = _text_of(self.tokenizer, text_tokens, final=finished)
+        stops = seq.sampling.stop
+        cut = _stop_cut(self.tokenizer, text_tokens, text, stops) if stops else None
+        if cut is not None and not (finished and seq.finish_reason == "stop" and seq.text):
+            text, kept = cut
+            del seq.output[len(kept):], seq.logprobs[len(kept):], seq.top_logprobs[len(kept):]
+            if not finished:
+                self.scheduler.free(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "stop"
+            finished = True
+        if not finished:
+            text = text[: len(text) - stopping.held_back(text, stops)]
+        new_text, seq.shown = text[seq.shown:], len(text)
+        if finished:
+            seq.text = text
+        return text, new_text

@@ -27,12 +27,15 @@ def _last_logits(params, config, seqs: Sequences):
 
 
 def naive_model(params, config, capacity, cache_dtype):
-    """`(prefill_fn, step_fn)` that recompute the full sequence every step."""
+    """`(prefill_fn, step_fn)` that recompute the full sequence every step (the interface of
+    `inference.engine.cached_model`)."""
     del cache_dtype  # nothing is cached
 
-    def prefill_fn(tokens_BT, lengths_B):
-        B, T = tokens_BT.shape
-        seqs = Sequences(jnp.zeros((B, capacity), jnp.int32).at[:, :T].set(tokens_BT), lengths_B)
+    def prefill_fn(tokens_PT, lengths_P, source_B, forked):
+        del forked  # every row is computed from scratch anyway
+        P, T = tokens_PT.shape
+        seqs = Sequences(jnp.zeros((P, capacity), jnp.int32).at[:, :T].set(tokens_PT), lengths_P)
+        seqs = jax.tree.map(lambda x: x[source_B], seqs)  # decode row b is prompt source_B[b]
         return _last_logits(params, config, seqs), seqs
 
     def step_fn(tokens_B, seqs, advance_B):

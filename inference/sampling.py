@@ -145,6 +145,7 @@ class SamplingArrays:
     frequency_penalty: jax.Array  # [B] float32, 0 = off
     seed: jax.Array  # [B] uint32, the request's seed
     sample_index: jax.Array  # [B] int32, which of the request's n samples this row is
+    logprobs: jax.Array  # [B] int32, alternatives to record per token; -1 = no log-probs
 
     @classmethod
     def from_params(cls, rows: list[SamplingParams], seeds: list[int], sample_index: list[int]):
@@ -161,6 +162,8 @@ class SamplingArrays:
             frequency_penalty=col("frequency_penalty", np.float32),
             seed=jnp.asarray(np.array(seeds, np.uint32)),
             sample_index=jnp.asarray(np.array(sample_index, np.int32)),
+            logprobs=jnp.asarray(np.array([-1 if r.logprobs is None else r.logprobs
+                                           for r in rows], np.int32)),
         )
 
 
@@ -241,14 +244,15 @@ def filter_logits(logits_BV, top_k_B, top_p_B, min_p_B):
     return jnp.where(keep_BV, logits_BV, -jnp.inf)
 
 
-def row_keys(seed_B, sample_index_B, step):
+def row_keys(seed_B, sample_index_B, step_B):
     """The PRNG key of each row at one step: from the request's own seed, its sample index and
-    the step, never from the row's position in the batch."""
+    the row's step (a scalar for all rows, or `[B]`), never from the row's position in the
+    batch or the moment it joined it."""
 
-    def one(seed, index):
+    def one(seed, index, step):
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), step)
 
-    return jax.vmap(one)(seed_B, sample_index_B)
+    return jax.vmap(one)(seed_B, sample_index_B, jnp.broadcast_to(step_B, seed_B.shape))
 
 
 def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, step, pad_id=0):
@@ -257,7 +261,8 @@ def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, st
     Args:
       logits_BV: float32 or bfloat16 logits (computed in float32 here).
       rows: per-row parameters. prompt_seen_BV, output_counts_BV: history for penalties.
-      step: int, index of the token being generated (mixed into the row's key).
+      step: int scalar or `[B]`, index of the token each row is generating (mixed into the
+        row's key).
       pad_id: returned for rows whose logits have no finite value.
     """
     logits_BV = logits_BV.astype(jnp.float32)

@@ -38,13 +38,13 @@ class StopArrays:
 
     @classmethod
     def from_lists(cls, max_new_tokens: list[int], stop_token_ids: list[tuple[int, ...]],
-                   stop_sequences: list[tuple[tuple[int, ...], ...]]):
-        ids = np.full((len(stop_token_ids), _width(max(map(len, stop_token_ids), default=0))),
-                      UNUSED, np.int32)
+                   stop_sequences: list[tuple[tuple[int, ...], ...]], widths=(0, 0, 0)):
+        """Arrays for these rows, `(E, Q, M)` wide: `widths` or, where larger, what the rows
+        need (`needed_widths`)."""
+        E, Q, M = np.maximum(widths, needed_widths(stop_token_ids, stop_sequences))
+        ids = np.full((len(stop_token_ids), E), UNUSED, np.int32)
         for row, row_ids in enumerate(stop_token_ids):
             ids[row, : len(row_ids)] = row_ids
-        Q = _width(max(map(len, stop_sequences), default=0))
-        M = _width(max((len(q) for row in stop_sequences for q in row), default=0))
         sequences = np.full((len(stop_sequences), Q, M), UNUSED, np.int32)
         for row, row_sequences in enumerate(stop_sequences):
             for q, sequence in enumerate(row_sequences):
@@ -54,6 +54,14 @@ class StopArrays:
             stop_token_ids=jnp.asarray(ids),
             stop_sequences=jnp.asarray(sequences),
         )
+
+
+def needed_widths(stop_token_ids, stop_sequences) -> tuple[int, int, int]:
+    """`(E, Q, M)`: EOS ids, token stop sequences and their longest length per row, each
+    rounded up to a multiple of 4 (few shapes, few compiles)."""
+    return (_width(max(map(len, stop_token_ids), default=0)),
+            _width(max(map(len, stop_sequences), default=0)),
+            _width(max((len(q) for row in stop_sequences for q in row), default=0)))
 
 
 def is_eos(tokens_B: jax.Array, stop_token_ids_BE: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
-"""Live-length (blockwise, online-softmax) attention equals full attention, and never reads
-cache blocks past the live length: over one cache buffer (prefill, `attend_cached`) and over
-a paged cache (the decode loop, `attend_paged`)."""
+"""Paged attention (blockwise online softmax over a row's pages, found through its page
+table in a shared pool) equals full attention, and never reads pages past the live length;
+prefill attention is blockwise too; the blockwise path differentiates like `forward`."""
 
 import functools
 
@@ -11,103 +11,74 @@ import pytest
 
 from conftest import assert_close
 from gpt_jax import GPTConfig, forward, init_cache, init_params, model
-from gpt_jax import cache as kv
-from gpt_jax.cache import CACHE_BATCH_AXES
-from gpt_jax.model import attend, attend_cached, attend_paged
+from gpt_jax.cache import CACHE_ROW_AXES, NO_PAGE
+from gpt_jax.model import attend, attend_paged
 
-L, S, N, H = 2, 21, 4, 8  # S is not a multiple of the block: the last block is shifted back
+S, N, H, P = 21, 4, 8, 4  # S is not a multiple of the page: the last page is partly used
+NUM_PAGES = 16
 
 
 def _case(K, T, length, seed=0):
-    """Random q, new k/v, and a cache row whose slots past `length` hold large garbage."""
+    """Random q, new k/v, and a row's cache slots `[S, K, H]` whose slots past `length` hold
+    large garbage."""
     rng = np.random.default_rng(seed)
     q = rng.normal(size=(T, N, H)).astype(np.float32)
     k_new, v_new = (rng.normal(size=(T, K, H)).astype(np.float32) for _ in range(2))
-    k_cache, v_cache = (rng.normal(size=(L, S, K, H)).astype(np.float32) for _ in range(2))
+    k_cache, v_cache = (rng.normal(size=(S, K, H)).astype(np.float32) for _ in range(2))
     for c in (k_cache, v_cache):
-        c[:, length:] = rng.uniform(-1e3, 1e3, size=c[:, length:].shape)
+        c[length:] = rng.uniform(-1e3, 1e3, size=c[length:].shape)
     return q, k_new, v_new, k_cache, v_cache
 
 
-def _full_attention(q, k_new, v_new, k_cache, v_cache, layer, length):
-    """The reference: write the new keys into the cache, attend over all S slots, causal."""
+def _full_attention(q, k_new, v_new, k_cache, v_cache, length):
+    """The reference: the new keys after the cached slots, attend over all, causal."""
     T = q.shape[0]
-    k = k_cache[layer].copy()
-    v = v_cache[layer].copy()
+    k, v = k_cache.copy(), v_cache.copy()
     k[length: length + T], v[length: length + T] = k_new, v_new
     mask = np.arange(S)[None, :] <= (length + np.arange(T))[:, None]
     return attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
 
 
-def head_major(cache_LSKH):
-    """The cache row as the model stores it, `[L, K, S, H]`."""
-    return np.ascontiguousarray(cache_LSKH.transpose(0, 2, 1, 3))
-
-
-@pytest.fixture
-def block4(monkeypatch):
-    """Blocks of 4 slots, so these small shapes span several blocks."""
-    monkeypatch.setattr(model, "ATTENTION_BLOCK", 4)
+def _pool(cache_SKH, seed=1):
+    """The row's slots as pages of P in a pool of NUM_PAGES, at shuffled page ids (the rest of
+    the pool holds garbage), and its page table `[8]` (NO_PAGE after its 6 pages)."""
+    rng = np.random.default_rng(seed)
+    n = -(-S // P)
+    ids = rng.permutation(NUM_PAGES)[:n]
+    pool = rng.uniform(-1e3, 1e3, size=(NUM_PAGES, cache_SKH.shape[1], P, H)).astype(np.float32)
+    padded = np.concatenate([cache_SKH, np.zeros((n * P - S,) + cache_SKH.shape[1:], np.float32)])
+    pool[ids] = padded.reshape(n, P, -1, H).transpose(0, 2, 1, 3)
+    table = np.full(8, NO_PAGE, np.int32)
+    table[:n] = ids
+    return pool, table
 
 
 @pytest.mark.parametrize("K", [4, 2, 1])  # multi-head, grouped-query, multi-query
-@pytest.mark.parametrize("T,lengths", [(1, (0, 1, 3, 4, 5, 20)), (6, (0, 7, 15))])
-def test_live_length_attention_equals_full_attention(block4, K, T, lengths):
-    run = jax.jit(attend_cached)  # length and bound traced: one compile per shape
+@pytest.mark.parametrize("T,lengths", [(1, (0, 1, 3, 4, 5, 19, 20)), (6, (0, 7, 15))])
+def test_paged_attention_equals_full_attention(decode_attention, K, T, lengths):
+    """New tokens at lengths on, before and after page edges, up to the last slot; decode
+    (T = 1) through both paths (the CPU kernel and XLA's), prefill chunks (T = 6)."""
+    run = jax.jit(lambda *args: attend_paged(*args))  # traced here, length and bound too
     for length in lengths:
         q, k_new, v_new, k_cache, v_cache = _case(K, T, length)
-        expected = _full_attention(q, k_new, v_new, k_cache, v_cache, 1, length)
+        expected = _full_attention(q, k_new, v_new, k_cache, v_cache, length)
+        (k_pool, table), (v_pool, _) = _pool(k_cache), _pool(v_cache)
         # bound: this row's length, or a longer row's (the batch maximum), or the capacity
-        for bound in (length, min(length + 6, S), S):
-            got = run(q, k_new, v_new, head_major(k_cache), head_major(v_cache), 1, length,
-                      jnp.int32(bound))
+        for bound in (length, min(length + 6, S), 8 * P):
+            got = run(q, k_new, v_new, k_pool, v_pool, table, length, jnp.int32(bound))
             assert_close(got, expected, 2e-5, f"attention at length {length}, bound {bound}")
 
 
-def test_blocks_past_the_bound_are_never_read(block4):
-    """NaN in every cache block at or past the bound's block: a full read would turn the
-    output NaN (0 * NaN in the value sum), a live-length read stays equal to the reference."""
-    length, T = 6, 1
-    q, k_new, v_new, k_cache, v_cache = _case(2, T, length)
-    expected = _full_attention(q, k_new, v_new, k_cache, v_cache, 0, length)
-    k_cache[:, 8:], v_cache[:, 8:] = np.nan, np.nan  # blocks 2.. of 4 slots
-    got = jax.jit(attend_cached)(q, k_new, v_new, head_major(k_cache), head_major(v_cache), 0,
-                                 length, jnp.int32(length))
-    assert_close(got, expected, 2e-5, "attention with NaN past the live blocks")
-
-
-def _pages(cache_LSKH, layer):
-    """Layer `layer` of a cache row as pages of 4 slots: S = 21 gives 5 of 4 and one of 1."""
-    return kv.split_pages(jnp.asarray(head_major(cache_LSKH)[layer]), 4)
-
-
-@pytest.mark.parametrize("K", [4, 2, 1])  # multi-head, grouped-query, multi-query
-def test_paged_decode_attention_equals_full_attention(decode_attention, K):
-    """One new token at lengths on, before and after page edges, up to the last slot: the
-    output equals full attention, and the pages hold the new key and value at `length`."""
-    run = jax.jit(lambda *args: attend_paged(*args))  # traced here, length and bound too
-    for length in (0, 1, 3, 4, 5, 19, 20):
-        q, k_new, v_new, k_cache, v_cache = _case(K, 1, length)
-        expected = _full_attention(q, k_new, v_new, k_cache, v_cache, 1, length)
-        k_cache[1, length], v_cache[1, length] = k_new[0], v_new[0]
-        for bound in (length, min(length + 6, S - 1)):  # own length, or a longer row's
-            got, (k_pages, v_pages, ok) = run(q, k_new, v_new, _pages(k_cache, 1),
-                                              _pages(v_cache, 1), length, jnp.int32(bound))
-            assert bool(ok)
-            assert_close(got, expected, 2e-5, f"paged attention at length {length}, bound {bound}")
-            for pages, cache in ((k_pages, k_cache), (v_pages, v_cache)):
-                assert_close(jnp.concatenate(pages, axis=1), head_major(cache)[1], 0.0,
-                             f"pages after writing slot {length}")
-
-
 def test_pages_past_the_bound_are_never_read(decode_attention):
-    """NaN in every page past the bound's page (pages of 4: slots 8.. for bound 6)."""
+    """NaN in every page past the bound's page (pages of 4: slots 8.. for length 6): a full
+    read would turn the output NaN (0 * NaN in the value sum), a live read does not."""
     length = 6
     q, k_new, v_new, k_cache, v_cache = _case(2, 1, length)
-    expected = _full_attention(q, k_new, v_new, k_cache, v_cache, 0, length)
-    k_cache[:, 8:], v_cache[:, 8:] = np.nan, np.nan
-    got, _ = jax.jit(lambda *args: attend_paged(*args))(
-        q, k_new, v_new, _pages(k_cache, 0), _pages(v_cache, 0), length, jnp.int32(length))
+    expected = _full_attention(q, k_new, v_new, k_cache, v_cache, length)
+    k_cache[8:], v_cache[8:] = np.nan, np.nan
+    (k_pool, table), (v_pool, _) = _pool(k_cache), _pool(v_cache)
+    got = jax.jit(lambda *args: attend_paged(*args))(
+        q, k_new, v_new, k_pool, v_pool, table, length, jnp.int32(length))
     assert_close(got, expected, 2e-5, "paged attention with NaN past the live pages")
 
 
@@ -118,8 +89,8 @@ def test_long_prefill_is_blockwise_and_equals_full_attention(monkeypatch):
     rng = np.random.default_rng(3)
     q = rng.normal(size=(T, N, H)).astype(np.float32)
     k_new, v_new = (rng.normal(size=(T, K, H)).astype(np.float32) for _ in range(2))
-    empty = np.zeros((1, K, T, H), np.float32)
-    got = jax.jit(attend_cached, static_argnums=(6, 7))(q, k_new, v_new, empty, empty, 0, 0, 0)
+    pool, table = np.zeros((2, K, P, H), np.float32), np.full(4, NO_PAGE, np.int32)
+    got = jax.jit(attend_paged, static_argnums=(6, 7))(q, k_new, v_new, pool, pool, table, 0, 0)
     mask = np.tril(np.ones((T, T), bool))
     assert_close(got, attend(q, k_new, v_new, jnp.asarray(mask)), 2e-5, "blockwise prefill")
 
@@ -139,8 +110,8 @@ def test_forward_gradients_equal_blockwise_path_gradients(monkeypatch):
 
     def loss_blockwise(p):
         run_row = functools.partial(model.transformer, config=config, bound=0)
-        x_BTD, _ = jax.vmap(run_row, in_axes=(None, 0, CACHE_BATCH_AXES))(
-            p, tokens, init_cache(config, 1, 16))
+        x_BTD, _ = jax.vmap(run_row, in_axes=(None, 0, CACHE_ROW_AXES))(
+            p, tokens, init_cache(config, 1, 16, page_size=4))
         return (model.lm_head(p, x_BTD, config) ** 2).mean()
 
     got = jax.jit(jax.grad(loss_forward))(params)

@@ -91,15 +91,18 @@ def test_g02_decode_never_reads_pad_or_unwritten_cache_slots(config, params, pad
     full = forward(params, jnp.array([[a, b, c, d, e]]), config)[0]  # positions 0..4
     rng = np.random.default_rng(0)
 
-    def garbage_at(cache, slots):
-        shape = cache.k[:, :, :, slots].shape
-        return cache.replace(k=cache.k.at[:, :, :, slots].set(rng.uniform(-1e3, 1e3, shape)),
-                             v=cache.v.at[:, :, :, slots].set(rng.uniform(-1e3, 1e3, shape)))
+    def garbage_at(cache, slots):  # slot s of the row: page s // 4, offset s % 4
+        def fill(pool):
+            for s in range(8)[slots]:
+                shape = pool[s // 4, :, s % 4].shape
+                pool = pool.at[s // 4, :, s % 4].set(rng.uniform(-1e3, 1e3, shape))
+            return pool
+        return cache.replace(k=tuple(map(fill, cache.k)), v=tuple(map(fill, cache.v)))
 
     def run(before=None, after=None):
         """Prefill [PAD, PAD, a, b, c] (3 real tokens), then decode d and e. `before` and
         `after` fill the given cache slots with +-1e3 before / after the prefill."""
-        cache = init_cache(config, 1, 8)
+        cache = init_cache(config, 1, 8, page_size=4)
         if before is not None:
             cache = garbage_at(cache, before)
         row = jnp.array([pad_row([a, b, c], 5, padding_side)])
@@ -130,7 +133,7 @@ def test_g04_one_token_row_left_padded_to_eight_stays_finite_and_equal(config, p
     logits, cache = prefill(params, config, tokens, jnp.array([1, 8]), init_cache(config, 2, 32),
                             padding_side="left")
     assert np.isfinite(np.asarray(logits)).all()
-    assert np.isfinite(np.asarray(cache.k)).all() and np.isfinite(np.asarray(cache.v)).all()
+    assert all(np.isfinite(np.asarray(pool)).all() for pool in cache.k + cache.v)
     # Every query row of the padded batch, pad rows included, through every layer.
     assert np.isfinite(np.asarray(forward(params, tokens, config))).all()
 
@@ -172,70 +175,62 @@ def test_g04_attention_row_with_every_key_masked_is_zero_with_finite_gradients(d
 
 
 @pytest.fixture
-def one_layer_row():
-    """One layer, batch 1, 8 slots: the row's k buffer `[K, S, H]`, slot s holding s + 1."""
+def one_layer_cache():
+    """One layer, 2 slots of 8 token positions in pages of 3 (3, 3, 2 used): slot 0 owns
+    pages 0-2, slot 1 pages 3-5, every position holding its slot index x 10 + position;
+    both slots have 0 tokens written."""
     config = GPTConfig(vocab_size=16, max_seq_len=8, n_layers=1, n_heads=1, d_model=4)
-    cache = init_cache(config, 1, 8)
-    return cache.k[0, 0] + jnp.arange(1, 9, dtype=jnp.float32)[None, :, None]
+    cache = init_cache(config, 2, 8, page_size=3)
+    value = (jnp.arange(6)[:, None] // 3 * 10 + jnp.arange(6)[:, None] % 3 * 3
+             + jnp.arange(3)[None, :]).astype(jnp.float32)  # page p, offset o
+    pool = jnp.broadcast_to(value[:, None, :, None], cache.k[0].shape)
+    return cache.replace(k=(pool,), v=(pool,))
 
 
-@pytest.mark.parametrize("start, size, allowed", [(8, 1, 7), (10, 1, 7), (6, 3, 5), (-1, 1, 7)])
-def test_g06_out_of_range_cache_writes_are_refused(one_layer_row, start, size, allowed):
-    buf, new = one_layer_row, jnp.full((size, 1, 4), -5.0)
-    message = (rf"KV cache write of {size} slot\(s\) at index {start} is out of range: the "
-               rf"cache has 8 slots, so the start must be in \[0, {allowed}\]")
-    with pytest.raises(ValueError, match=message):
-        kv.write(buf, new, start)
-    out, ok = jax.jit(kv.write)(buf, new, start)
-    assert not bool(ok)
-    assert_close(out, buf, 0.0, "cache after a refused write (slot 7 included)")
-    # The last window that fits is written, under jit and without.
-    for write in (kv.write, jax.jit(kv.write)):
-        out, ok = write(buf, new, allowed)
-        assert bool(ok) and (np.asarray(out[:, allowed: allowed + size]) == -5.0).all()
-        assert_close(out[:, :allowed], buf[:, :allowed], 0.0, "slots before the write")
+def _write(cache, slot, start, size):
+    """Write `size` new entries (-5) into `slot` at position `start`."""
+    cache = cache.replace(lengths=cache.lengths.at[slot].set(start))
+    new = (jnp.full((2, size, 1, 4), -5.0),)
+    return kv.write(cache, new, new, jnp.zeros(2, jnp.int32).at[slot].set(size))
 
 
-@pytest.mark.parametrize("start", [8, 10, -1])
-def test_g06_out_of_range_paged_cache_writes_are_refused(one_layer_row, start):
-    """The decode loop's paged cache (pages of 3 slots here: 3, 3, 2) refuses the same
-    writes; the last slot and a slot on a page edge are written where they belong."""
-    pages, new = kv.split_pages(one_layer_row, 3), jnp.full((1, 1, 4), -5.0)
-    with pytest.raises(ValueError, match=rf"KV cache write of 1 slot\(s\) at index {start} is "
-                                         r"out of range: the cache has 8 slots, so the start "
-                                         r"must be in \[0, 7\]"):
-        kv.write_page_slot(pages, new, start)
-    out, ok = jax.jit(kv.write_page_slot)(pages, new, start)
-    assert not bool(ok)
-    assert_close(jnp.concatenate(out, 1), one_layer_row, 0.0, "pages after a refused write")
-    for slot in (7, 3):
-        for write in (kv.write_page_slot, jax.jit(kv.write_page_slot)):
-            out, ok = write(pages, new, slot)
-            expected = one_layer_row.at[:, slot].set(-5.0)
-            assert bool(ok)
-            assert_close(jnp.concatenate(out, 1), expected, 0.0, f"pages after writing {slot}")
+@pytest.mark.parametrize("start, size", [(8, 1), (10, 1), (6, 3), (7, 2)])
+def test_g06_out_of_range_cache_writes_are_refused(one_layer_cache, start, size):
+    cache = one_layer_cache
+    message = (rf"KV cache write of {size} token\(s\) at position {start} of slot 1 is out of "
+               r"range: the slot has 3 page\(s\) of 3 = 9 token slots")
+    if start + size <= 9:  # inside the pages but past the 8 the slot was made for
+        message = None
+    with pytest.raises(ValueError, match=message or "."):
+        if message is None:  # fits the pages: written; refuse it by taking the last page
+            cache = cache.replace(page_table=cache.page_table.at[1, 2].set(kv.NO_PAGE))
+            message = (rf"of slot 1 is out of range: the slot has 2 page\(s\) of 3 = 6")
+        _write(cache, 1, start, size)
+    out = jax.jit(_write, static_argnums=(1, 3))(cache, 1, start, size)
+    assert bool(out.overflow[1]) and not bool(out.overflow[0])
+    assert out.lengths.tolist() == [0, start]  # unchanged
+    assert_close(out.k[0], cache.k[0], 0.0, "pool after a refused write (last page included)")
 
 
-def test_g06_out_of_range_cache_reads_are_refused(one_layer_row):
-    buf = one_layer_row
-    with pytest.raises(ValueError, match=r"read of 4 slot\(s\) at index 9 is out of range: "
-                                         r"the cache has 8 slots, so the start must be in \[0, 4\]"):
-        kv.read(buf, 9, 4)
-    window, ok = jax.jit(kv.read, static_argnums=2)(buf, 9, 4)
-    assert not bool(ok)
-    assert_close(window, np.zeros((1, 4, 4)), 0.0, "refused read (not a clamped window)")
-    window, ok = jax.jit(kv.read, static_argnums=2)(buf, 4, 4)
-    assert bool(ok)
-    assert_close(window, buf[:, 4:], 0.0, "last window that fits")
+def test_g06_cache_writes_that_fit_land_in_the_slots_pages(one_layer_cache):
+    """A write across a page edge and into the last position, under jit and without."""
+    cache = one_layer_cache
+    for write in (_write, jax.jit(_write, static_argnums=(1, 3))):
+        out = write(cache, 1, 2, 2)  # positions 2 and 3: page 3 offset 2, page 4 offset 0
+        expected = cache.k[0].at[3, :, 2].set(-5.0).at[4, :, 0].set(-5.0)
+        assert_close(out.k[0], expected, 0.0, "pool after writing positions 2-3 of slot 1")
+        assert out.lengths.tolist() == [0, 4] and not bool(out.overflow.any())
+        out = write(cache, 0, 8, 1)  # the last position of slot 0's pages
+        assert_close(out.k[0], cache.k[0].at[2, :, 2].set(-5.0), 0.0, "the last position")
 
 
 def test_g06_model_writes_past_the_cache_end_are_flagged_not_clamped(config, params):
-    cache = init_cache(config, 1, 8)
+    cache = init_cache(config, 1, 8, page_size=4)
     _, cache = prefill(params, config, jnp.array([[1, 2, 3, 4, 5, 6]]), jnp.array([6]), cache)
     # A 3-token chunk at index 6 of 8 slots would be shifted to start at 5 if clamped.
     _, after = prefill(params, config, jnp.array([[7, 8, 9]]), jnp.array([3]), cache)
     assert bool(after.overflow[0]) and int(after.lengths[0]) == 6
-    assert_close(after.k, cache.k, 0.0, "keys after a refused prefill chunk")
+    assert_close(after.k, cache.k, 0.0, "keys after a refused prefill chunk")  # all layers
     assert_close(after.v, cache.v, 0.0, "values after a refused prefill chunk")
     for token in (7, 8):  # fills slots 6 and 7; the next write is past the end
         _, cache = decode_step(params, config, jnp.array([token]), cache)
@@ -343,7 +338,7 @@ def test_g19_zero_length_row_in_prefill_stays_finite_and_apart(config, params):
     tokens = jnp.array([[PAD, PAD, PAD], [1, 2, 3]])
     logits, cache = prefill(params, config, tokens, jnp.array([0, 3]), init_cache(config, 2, 8))
     assert np.isfinite(np.asarray(logits)).all()
-    assert np.isfinite(np.asarray(cache.k)).all() and np.isfinite(np.asarray(cache.v)).all()
+    assert all(np.isfinite(np.asarray(pool)).all() for pool in cache.k + cache.v)
     assert cache.lengths.tolist() == [0, 3]
     alone, _ = prefill(params, config, tokens[1:], jnp.array([3]), init_cache(config, 1, 8))
     assert_close(logits[1], alone[0], 1e-5, "the non-empty row's logits")

@@ -1,6 +1,7 @@
 """The CPU decode-attention kernel (gpt_jax/cpu_attention.cc): a vmapped batch of rows with
-their own lengths equals full attention row by row, it never reads a slot past a row's
-length, and a kernel that cannot be built leaves the XLA path running, with a warning."""
+their own lengths and page tables into one shared pool equals full attention row by row
+(output and log-sum-exp), it never reads a slot past a row's length nor a page outside its
+table, and a kernel that cannot be built leaves the XLA path running, with a warning."""
 
 import warnings
 
@@ -11,34 +12,50 @@ import pytest
 
 from conftest import assert_close
 from gpt_jax import cpu_attention
-from gpt_jax import cache as kv
+from gpt_jax.cache import NO_PAGE
 
-N, S, PAGE = 4, 21, 4  # pages of 4 slots: five of 4 and one of 1
+N, S, PAGE = 4, 24, 4  # rows of 24 slots: six pages of 4
+PAGES_PER_ROW = 6
 
 
 def _rows(K, lengths, dtype, H=8, seed=0):
-    """Queries `[B, K, G, H]` and a batch-major cache `[B, K, S, H]` per k and v; slots past
-    each row's length hold NaN, which any read of them would carry into the output."""
+    """Queries `[B, K, G, H]`, each row's slots `[B, K, S, H]` per k and v, and the pools and
+    page tables that hold them: row b's pages at shuffled ids of a pool with spare pages.
+    Slots past each row's length and every page no row owns hold NaN, which any read of
+    them would carry into the output."""
     rng = np.random.default_rng(seed)
     B = len(lengths)
     q = rng.normal(size=(B, K, N // K, H)).astype(np.float32)
-    k, v = (np.array(jnp.asarray(rng.normal(size=(B, K, S, H)), dtype).astype(jnp.float32))
-            for _ in range(2))
-    for b, length in enumerate(lengths):
-        k[b, :, length:], v[b, :, length:] = np.nan, np.nan
-    return q, k, v
+    slots = [np.array(jnp.asarray(rng.normal(size=(B, K, S, H)), dtype).astype(jnp.float32))
+             for _ in range(2)]
+    for x in slots:
+        for b, length in enumerate(lengths):
+            x[b, :, length:] = np.nan
+    num_pages = B * PAGES_PER_ROW + 5
+    ids = rng.permutation(num_pages)[: B * PAGES_PER_ROW].reshape(B, PAGES_PER_ROW)
+    pools = []
+    for x in slots:
+        pool = np.full((num_pages, K, PAGE, H), np.nan, np.float32)
+        padded = np.pad(x, ((0, 0), (0, 0), (0, PAGES_PER_ROW * PAGE - S), (0, 0)),
+                        constant_values=np.nan)
+        pool[ids] = padded.reshape(B, K, PAGES_PER_ROW, PAGE, H).transpose(0, 2, 1, 3, 4)
+        pools.append(jnp.asarray(pool, dtype))
+    table = np.full((B, PAGES_PER_ROW + 2), NO_PAGE, np.int32)  # unused entries at the end
+    table[:, :PAGES_PER_ROW] = ids
+    return q, slots, pools, table
 
 
 def _reference(q_KGH, k_KSH, v_KSH, length):
     """Full attention of one row over its first `length` slots, in float64 numpy (zeros for
-    none): softmax(q k^T / sqrt(H)) v."""
+    none): softmax(q k^T / sqrt(H)) v, and the log of the softmax denominator."""
     H = q_KGH.shape[-1]
     if length == 0:
-        return np.zeros(q_KGH.shape)
-    scores_KGS = np.einsum("kgh,ksh->kgs", q_KGH, k_KSH[:, :length], dtype=np.float64)
-    probs_KGS = np.exp(scores_KGS / np.sqrt(H) - (scores_KGS / np.sqrt(H)).max(-1, keepdims=True))
-    probs_KGS /= probs_KGS.sum(-1, keepdims=True)
-    return np.einsum("kgs,ksh->kgh", probs_KGS, v_KSH[:, :length])
+        return np.zeros(q_KGH.shape), np.full(q_KGH.shape[:2], -1e30)
+    scores_KGS = np.einsum("kgh,ksh->kgs", q_KGH, k_KSH[:, :length], dtype=np.float64) / np.sqrt(H)
+    top_KG1 = scores_KGS.max(-1, keepdims=True)
+    total_KG = np.exp(scores_KGS - top_KG1).sum(-1)
+    probs_KGS = np.exp(scores_KGS - top_KG1) / total_KG[..., None]
+    return np.einsum("kgs,ksh->kgh", probs_KGS, v_KSH[:, :length]), top_KG1[..., 0] + np.log(total_KG)
 
 
 @pytest.mark.parametrize("H", [8, 32, 64, 128])  # any head dim; those compiled for registers
@@ -46,23 +63,27 @@ def _reference(q_KGH, k_KSH, v_KSH, length):
 @pytest.mark.parametrize("K", [4, 2, 1])  # multi-head, grouped-query, multi-query
 def test_kernel_batch_equals_full_attention_row_by_row(K, dtype, H):
     assert cpu_attention.available(), "the CPU attention kernel did not build"
-    lengths = [0, 1, 3, 4, 5, 20, 21, 22]  # none, page edges, the last slot, past it (all)
-    q, k, v = _rows(K, lengths, dtype, H)
-    pages = [kv.split_pages(jnp.asarray(x, dtype), PAGE, axis=2) for x in (k, v)]
-    run = jax.jit(jax.vmap(cpu_attention.paged_decode_attention))
-    got = run(jnp.asarray(q), *pages, jnp.asarray(lengths, jnp.int32))
-    assert got.dtype == jnp.float32 and got.shape == q.shape
+    lengths = [0, 1, 3, 4, 5, 21, 23, 24, 25]  # none, page edges, the last slot, past it (all)
+    q, (k, v), (k_pool, v_pool), table = _rows(K, lengths, dtype, H)
+    run = jax.jit(jax.vmap(cpu_attention.paged_decode_attention, in_axes=(0, None, None, 0, 0)))
+    out, lse = run(jnp.asarray(q), k_pool, v_pool, table, jnp.asarray(lengths, jnp.int32))
+    assert out.dtype == lse.dtype == jnp.float32 and out.shape == q.shape
     for b, length in enumerate(lengths):
-        expected = _reference(q[b], k[b], v[b], min(length, S))
-        assert_close(got[b], expected, 2e-6, f"row {b} (length {length}, {K} kv heads, H {H})")
+        want_out, want_lse = _reference(q[b], k[b], v[b], min(length, S))
+        what = f"row {b} (length {length}, {K} kv heads, H {H})"
+        assert_close(out[b], want_out, 2e-6, what)
+        if length == 0:
+            assert (np.asarray(lse[b]) <= -1e29).all(), what  # no slot: the mask value
+        else:
+            assert_close(lse[b], want_lse, 2e-5, what + " log-sum-exp")
 
 
 def test_kernel_runs_one_row_without_vmap():
     assert cpu_attention.available()
-    q, k, v = _rows(2, [13], jnp.float32, 64)
-    pages = [kv.split_pages(jnp.asarray(x[0]), PAGE, axis=1) for x in (k, v)]
-    got = jax.jit(cpu_attention.paged_decode_attention)(jnp.asarray(q[0]), *pages, 13)
-    assert_close(got, _reference(q[0], k[0], v[0], 13), 2e-6, "one row")
+    q, (k, v), (k_pool, v_pool), table = _rows(2, [13], jnp.float32, 64)
+    out, _ = jax.jit(cpu_attention.paged_decode_attention)(jnp.asarray(q[0]), k_pool, v_pool,
+                                                           table[0], 13)
+    assert_close(out, _reference(q[0], k[0], v[0], 13)[0], 2e-6, "one row")
 
 
 def test_a_kernel_that_does_not_compile_warns_and_is_not_used(monkeypatch, tmp_path):

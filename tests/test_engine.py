@@ -1,6 +1,5 @@
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -1,0 +1,197 @@
+"""The serving engine: continuous batching over one paged KV cache. Requests that join a
+running batch at random steps, get preempted, share prefix pages or are prefilled in chunks
+produce exactly what they produce alone; pages all come back; compiles stay bounded; bad
+requests are refused before they are queued while the engine keeps serving."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_close, assert_lively
+from gpt_jax import CharTokenizer, init_cache
+from inference import Engine, SamplingParams, compile_counts, generate, prefill
+from inference.llm import LLM
+
+TOKENIZER = CharTokenizer([chr(ord("0") + i) for i in range(64)])  # '0'..'o', one per id
+
+
+def random_requests(config, rng, count, *, text=True):
+    """`count` requests of random lengths and settings: greedy, seeded sampling with top-k,
+    top-p and penalties, n = 2, EOS ids, token stop sequences and (with `text`) stop
+    strings, some asking for log-probs."""
+    requests = []
+    for i in range(count):
+        prompt = rng.integers(0, config.vocab_size, int(rng.integers(1, 50))).tolist()
+        kind = i % 5
+        sp = dict(max_new_tokens=int(rng.integers(1, 40)), seed=i)
+        if kind == 0:
+            sp |= dict(temperature=0.0, logprobs=3)
+        elif kind == 1:
+            sp |= dict(temperature=0.9, top_k=12, top_p=0.9, repetition_penalty=1.3,
+                       frequency_penalty=0.4, presence_penalty=0.2)
+        elif kind == 2:
+            sp |= dict(temperature=1.0, n=2, min_p=0.05)
+        elif kind == 3:
+            sp |= dict(temperature=0.0, stop_token_ids=[int(rng.integers(0, 64))],
+                       stop_sequences=[[int(t) for t in rng.integers(0, 64, 2)]])
+        elif text:
+            sp |= dict(temperature=0.7, stop=[TOKENIZER.decode(rng.integers(0, 64, 1))])
+        requests.append((f"r{i}", prompt, SamplingParams(**sp)))
+    return requests
+
+
+def run_engine(engine, requests, rng=None):
+    """Add the requests (at random steps when `rng` is given, else all first) and step until
+    all finish. Returns {(request_id, sample_index): final RequestOutput}."""
+    pending, finals = list(requests), {}
+    while pending or engine.has_unfinished_requests():
+        while pending and (rng is None or rng.random() < 0.4):
+            engine.add_request(*pending.pop(0))
+        for out in engine.step():
+            assert (out.request_id, out.sample_index) not in finals, "output after finishing"
+            if out.finished:
+                finals[(out.request_id, out.sample_index)] = out
+    return finals
+
+
+def assert_same_as_alone(config, params, requests, finals):
+    """Each sample's tokens, finish reason and log-probs equal the request run alone with
+    `generate`; with stop strings, its text equals `LLM.generate` alone."""
+    llm = LLM(params, config, TOKENIZER)
+    for request_id, prompt, sp in requests:
+        if sp.stop:
+            alone = llm.generate([TOKENIZER.decode(prompt)], sp, progress=False)
+            texts = [c.text for c in alone]
+        else:
+            alone = generate(params, config, [prompt], sp)
+        for k, ref in enumerate(alone):
+            out = finals[(request_id, k)]
+            assert out.token_ids == ref.tokens, (request_id, k)
+            assert out.finish_reason == ref.finish_reason, (request_id, k)
+            assert out.seed == ref.seed
+            if sp.stop:
+                assert out.text == texts[k]
+            if sp.logprobs is not None:
+                assert_close(out.logprobs, ref.logprobs, 1e-4, f"{request_id} logprobs")
+                assert [list(d) for d in out.top_logprobs] == [list(d) for d in ref.top_logprobs]
+
+
+def test_requests_joining_at_random_steps_equal_each_request_alone(config, params):
+    rng = np.random.default_rng(0)
+    requests = random_requests(config, rng, 40)
+    engine = Engine(params, config, TOKENIZER, max_slots=8, page_size=8)
+    finals = run_engine(engine, requests, rng)
+    assert len(finals) == sum(sp.n for *_, sp in requests)
+    assert_lively([t for out in finals.values() for t in out.token_ids], 30)
+    assert {out.finish_reason for out in finals.values()} >= {"length", "eos", "stop"}
+    assert_same_as_alone(config, params, requests, finals)
+    assert engine.stats()["free_pages"] == engine.stats()["total_pages"]
+
+
+def test_a_small_page_pool_preempts_and_changes_no_output(config, params):
+    rng = np.random.default_rng(1)
+    requests = random_requests(config, rng, 16, text=False)
+    engine = Engine(params, config, max_slots=8, num_pages=24, page_size=4)
+    finals = run_engine(engine, requests, rng)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0, stats
+    assert_same_as_alone(config, params, requests, finals)
+    assert stats["free_pages"] == stats["total_pages"] == 24
+    assert not engine.has_unfinished_requests()
+
+
+def test_prefix_caching_shares_pages_and_changes_no_output(config, params):
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(0, 64, 3 * 8).tolist()  # 3 pages of 8
+    requests = [(f"p{i}", prefix + rng.integers(0, 64, int(rng.integers(1, 9))).tolist(),
+                 SamplingParams(temperature=0.0 if i % 2 else 0.8, max_new_tokens=12, seed=i))
+                for i in range(6)]
+    results, stats = {}, {}
+    for caching in (True, False):
+        engine = Engine(params, config, max_slots=4, page_size=8, prefix_caching=caching)
+        engine.add_request(*requests[0])  # the first fills the cache, the rest join later
+        results[caching] = run_engine(engine, requests[1:]) | run_engine(engine, [])
+        stats[caching] = engine.stats()
+    assert stats[True]["prefix_cache_hits"] >= 5 * 3, stats[True]
+    assert stats[False]["prefix_cache_hits"] == 0
+    saved = stats[False]["prefilled_tokens"] - stats[True]["prefilled_tokens"]
+    assert saved >= 5 * 3 * 8, stats
+    assert {k: v.token_ids for k, v in results[True].items()} == \
+        {k: v.token_ids for k, v in results[False].items()}
+    assert_same_as_alone(config, params, requests[1:], results[True])
+
+    # an aborted request frees its pages at once (its full prompt pages stay cached, free)
+    engine = Engine(params, config, max_slots=4, page_size=8)
+    engine.add_request("long", prefix + [1, 2, 3], SamplingParams(max_new_tokens=60))
+    engine.step()
+    assert engine.stats()["free_pages"] < engine.stats()["total_pages"]
+    engine.abort("long")
+    assert engine.stats()["free_pages"] == engine.stats()["total_pages"]
+    assert not engine.has_unfinished_requests()
+
+
+def test_chunked_prefill_equals_one_prefill(config, params):
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, 64, (1, 40)), jnp.int32)
+    one, _ = prefill(params, config, tokens, jnp.array([40]), init_cache(config, 1, 64, page_size=8))
+    cache = init_cache(config, 1, 64, page_size=8)
+    for lo, hi in ((0, 16), (16, 29), (29, 40)):  # chunks that end inside pages
+        chunk = jnp.zeros((1, 16), jnp.int32).at[:, : hi - lo].set(tokens[:, lo:hi])
+        logits, cache = prefill(params, config, chunk, jnp.array([hi - lo]), cache)
+    assert int(cache.lengths[0]) == 40
+    assert_close(logits, one, 1e-5, "chunked prefill logits")
+
+    # the engine with a 16-token budget: a 100-token prompt over 7 steps, same tokens
+    prompt = rng.integers(0, 64, 100).tolist()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20)
+    engine = Engine(params, config, max_slots=4, max_prefill_tokens=16)
+    engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=27))
+    engine.add_request("long", prompt, sp)
+    counts, finals = [], {}
+    while engine.has_unfinished_requests():
+        outs = {o.request_id: o for o in engine.step()}
+        counts.append(len(outs.get("short").new_token_ids) if "short" in outs else 0)
+        finals |= {r: o for r, o in outs.items() if o.finished}
+    assert counts[:4] == [8, 8, 8, 3]  # "short" decodes while "long" loads, 16 tokens a step
+    (alone,) = generate(params, config, [prompt], sp)
+    assert_lively(alone.tokens)
+    assert finals["long"].token_ids == alone.tokens
+
+
+def test_a_random_workload_compiles_at_most_12_programs(config, params):
+    rng = np.random.default_rng(4)
+    requests = random_requests(config, rng, 200, text=False)
+    engine = Engine(params, config, max_slots=8, max_prefill_tokens=64)
+    before = compile_counts()
+    run_engine(engine, requests, rng)
+    after = compile_counts()
+    compiled = sum(after[k] - before[k] for k in ("engine_prefill", "engine_decode"))
+    assert 2 <= compiled <= 12, (before, after)
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(config, params):
+    engine = Engine(params, config, max_slots=2, num_pages=6, page_size=8)
+    engine.add_request("ok", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=10))
+    with pytest.raises(ValueError, match=r"request_id 'ok' is already in the engine"):
+        engine.add_request("ok", [4], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompt is empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(ValueError, match=r"token id 64 is outside \[0, 64\)"):
+        engine.add_request("oov", [1, 64], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompt length 40 \+ max_new_tokens 20 needs 8 pages "
+                                         r"of 8 tokens, but the page pool has 6"):
+        engine.add_request("big", [1] * 40, SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match=r"stop strings need a tokenizer"):
+        engine.add_request("stop", [1], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match=r"SamplingParams.top_p=1.5 is out of range"):
+        engine.add_request("bad", [1], SamplingParams(top_p=1.5))
+    with pytest.raises(KeyError, match="nope"):
+        engine.abort("nope")
+    assert engine.stats()["waiting"] == 1
+    finals = run_engine(engine, [])
+    (ref,) = generate(params, config, [[1, 2, 3]], SamplingParams(temperature=0.0,
+                                                                   max_new_tokens=10))
+    assert finals[("ok", 0)].token_ids == ref.tokens
+    engine.abort("ok")  # finished: nothing happens
+    with pytest.raises(ValueError, match=r"Engine max_slots must be an int >= 1, got 0"):
+        Engine(params, config, max_slots=0)
