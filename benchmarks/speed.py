@@ -347,7 +347,8 @@ def roofline(args) -> None:
 def prefill_peak_bytes(params, config, length: int) -> int:
     """Temporary memory XLA allocates for a batch-1 prefill of `length` tokens."""
     def prefill(params, tokens_BT, lengths_B):
-        return cached_model(params, config, length, jnp.float32)[0](tokens_BT, lengths_B)
+        prefill_fn = cached_model(params, config, length, jnp.float32)[0]
+        return prefill_fn(tokens_BT, lengths_B, jnp.zeros((1,), jnp.int32), False)
 
     compiled = jax.jit(prefill).lower(params, jnp.zeros((1, length), jnp.int32),
                                       jnp.full((1,), length, jnp.int32)).compile()

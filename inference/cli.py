@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt_jax.cache import cache_bytes, init_cache
-from inference.engine import generate, pack, prefill, validate
+from gpt_jax.cache import cache_bytes, pages_for
+from inference.engine import generate, init_cache_rows, pack, prefill, validate
 from inference.llm import DTYPES, LLM
 from inference.sampling import SamplingParams
 
@@ -127,7 +127,7 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams) -> None:
     tokens, lengths = jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P)
 
     def run_prefill():
-        cache = init_cache(config, B, S, llm.cache_dtype)
+        cache = init_cache_rows(config, B, S, llm.cache_dtype)
         return jax.block_until_ready(prefill(llm.params, config, tokens, lengths, cache))
 
     run_prefill()
@@ -144,9 +144,12 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams) -> None:
           f"(padded to {batch.tokens_PT.shape[1]} tokens)")
     print(f"decode: {new_tokens} tokens in {total_s - prefill_s:.2f} s = "
           f"{new_tokens / (total_s - prefill_s):,.0f} tokens/s (batch {len(prompts)})")
-    print(f"KV cache: 2 x n_layers {config.n_layers} x batch {B} x seq_len {S} x n_heads "
+    page_size = init_cache_rows(config, 1, S, llm.cache_dtype).page_size
+    num_pages = B * pages_for(S, page_size)
+    print(f"KV cache: 2 x n_layers {config.n_layers} x pages {num_pages} (batch {B} x "
+          f"{pages_for(S, page_size)} per row) x page_size {page_size} x n_kv_heads "
           f"{config.kv_heads} x head_dim {config.head_dim} x {itemsize} bytes = "
-          f"{cache_bytes(config, B, S, llm.cache_dtype):,} bytes")
+          f"{cache_bytes(config, num_pages, page_size, llm.cache_dtype):,} bytes")
 
 
 def add_hf_args(p: argparse.ArgumentParser) -> None:

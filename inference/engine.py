@@ -165,13 +165,15 @@ def prompt_seen(tokens_PT, lengths_P, vocab_size: int):
     return jnp.zeros((P, vocab_size), jnp.int32).at[jnp.arange(P)[:, None], tokens_PT].add(real_PT) > 0
 
 
-def init_state(model, logits_BV, seen_BV, stops, *, n_steps, n_top) -> DecodeState:
+def init_state(model, logits_BV, seen_BV, stops, *, n_steps, n_top, pad_id=0) -> DecodeState:
+    """The decode state before the first token: the token buffer holds `pad_id`, which a
+    finished row's places keep."""
     B, V = logits_BV.shape
     done_B = stops.max_new_tokens <= 0
     return DecodeState(
         model=model,
         logits=logits_BV,
-        tokens=jnp.zeros((B, n_steps), jnp.int32),
+        tokens=jnp.full((B, n_steps), pad_id, jnp.int32),
         logprobs=jnp.zeros((B, n_steps), jnp.float32),
         top_ids=jnp.zeros((B, n_steps, n_top), jnp.int32),
         top_logprobs=jnp.zeros((B, n_steps, n_top), jnp.float32),
@@ -316,12 +318,12 @@ def init_cache_rows(config, batch_size, capacity, cache_dtype) -> PagedKVCache:
 
 
 def _start(params, config, tokens_PT, lengths_P, source_B, stops, *, capacity, n_steps, n_top,
-           model_fns, cache_dtype, forked):
+           model_fns, cache_dtype, forked, pad_id):
     prefill_fn, _ = model_fns(params, config, capacity, cache_dtype)
     logits_BV, model = prefill_fn(tokens_PT, lengths_P, source_B, forked)
     seen_PV = prompt_seen(tokens_PT, lengths_P, logits_BV.shape[-1])
     return init_state(model, logits_BV, jnp.take(seen_PV, source_B, axis=0), stops,
-                      n_steps=n_steps, n_top=n_top)
+                      n_steps=n_steps, n_top=n_top, pad_id=pad_id)
 
 
 _STATIC = ("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype", "pad_id",
@@ -334,7 +336,7 @@ def generate_program(params, config, tokens_PT, lengths_P, source_B, rows, stops
     """Prefill and the whole decode loop, as one compiled program."""
     state = _start(params, config, tokens_PT, lengths_P, source_B, stops, capacity=capacity,
                    n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype,
-                   forked=forked)
+                   forked=forked, pad_id=pad_id)
     _, step_fn = model_fns(params, config, capacity, cache_dtype)
     return decode_loop(state, step_fn, rows, stops, pad_id)
 

@@ -106,14 +106,14 @@ def test_stop_string_cuts_text_stops_the_row_and_never_streams(llm, width, offse
     assert out.tokens == full.tokens[: -(-end // WIDTH)]  # through the completing token
     assert other_out.text == other_full.text  # the other row runs on, unchanged
 
-    done = []  # per chunk run: had row 0 finished before it?
-    run_chunk = engine.chunk_program
+    done = []  # per decode chunk: had row 0 (slot 0) left the batch before it?
+    run_chunk = engine.engine_decode
 
-    def chunk_program(params, config, state, *args, **kwargs):
-        done.append(bool(state.done[0]))
-        return run_chunk(params, config, state, *args, **kwargs)
+    def engine_decode(params, config, state, page_table, live_B, *args, **kwargs):
+        done.append(not bool(live_B[0]))
+        return run_chunk(params, config, state, page_table, live_B, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "chunk_program", chunk_program)
+    monkeypatch.setattr(engine, "engine_decode", engine_decode)
     texts, completions = joined_and_checked(llm.stream([PROMPT, other], sampling), 2)
     assert texts == [out.text, other_out.text]
     assert completions[0].tokens == out.tokens

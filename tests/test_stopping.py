@@ -35,7 +35,7 @@ def run_state(params, config, sampling):
         params, config, jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P),
         jnp.asarray(batch.source_B), batch.rows, batch.stops, capacity=batch.capacity,
         n_steps=batch.n_steps, n_top=batch.n_top, model_fns=forced_eos_model,
-        cache_dtype=jnp.float32, pad_id=PAD)
+        cache_dtype=jnp.float32, pad_id=PAD, forked=batch.forked)
     return batch, state
 
 

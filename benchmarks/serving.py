@@ -1,0 +1,171 @@
+"""Serving: continuous batching (`inference.Engine`) against static batching of the same
+seeded arrival workload, with `inference.generate` on the batch that has arrived when the
+previous one ends (our static batching), and optionally `transformers` `generate` likewise.
+
+Usage (also `gpt-jax bench serving [flags]`; writes benchmarks/results/serving.{json,png}):
+  python benchmarks/serving.py --preset gpt2 --requests 32 --rates 0.5 2
+  python benchmarks/serving.py --preset shakespeare-char --requests 64 --rates 4 16 --no-hf
+
+Workload: Poisson arrivals at each rate (requests/s); prompt and output lengths uniform in
+[--prompt-min, --prompt-max] and [--out-min, --out-max]; greedy; random token ids; random
+weights (no downloads). The same workload for every engine. Static batching returns a batch
+at its end, so its first token arrives then (it does not stream). Figures: generated
+tokens/s over the whole run, time to first token (TTFT) and time per output token (TPOT,
+per request: (last - first token time) / (tokens - 1)) p50 and p99, peak KV pages in use.
+Every program is compiled in an untimed run of the same workload first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from gpt_jax import init_params
+from inference import Engine, SamplingParams, generate
+from speed import machine, preset, save  # noqa: F401  (benchmarks/ is the script's folder)
+
+
+def workload(args, config, rate, seed):
+    """`(arrival seconds, prompt ids, max_new_tokens)` per request, seeded."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1 / rate, args.requests))
+    return [(float(t), rng.integers(0, config.vocab_size, int(n)).tolist(), int(m))
+            for t, n, m in zip(arrivals,
+                               rng.integers(args.prompt_min, args.prompt_max + 1, args.requests),
+                               rng.integers(args.out_min, args.out_max + 1, args.requests))]
+
+
+def run_continuous(params, config, args, requests):
+    """Add each request at its arrival time, step the engine, time every token."""
+    engine = Engine(params, config, max_slots=args.max_slots,
+                    max_prefill_tokens=args.max_prefill_tokens)
+    times = {i: [] for i in range(len(requests))}
+    start, pending, peak = time.perf_counter(), list(enumerate(requests)), 0
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0][1][0] <= now:
+            i, (_, prompt, m) = pending.pop(0)
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_new_tokens=m))
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0][1][0] - now))
+            continue
+        outs = engine.step()
+        t = time.perf_counter() - start
+        peak = max(peak, engine.stats()["pages_in_use"])
+        for out in outs:
+            times[int(out.request_id)] += [t] * len(out.new_token_ids)
+    return times, peak
+
+
+def run_static(generate_fn, requests, max_batch):
+    """Run every request that has arrived (at most `max_batch`) as one batch; repeat."""
+    times = {i: [] for i in range(len(requests))}
+    start, pending = time.perf_counter(), list(enumerate(requests))
+    while pending:
+        now = time.perf_counter() - start
+        if pending[0][1][0] > now:
+            time.sleep(pending[0][1][0] - now)
+            continue
+        batch = [p for p in pending if p[1][0] <= now][:max_batch]
+        pending = [p for p in pending if p not in batch]
+        lengths = generate_fn([r[1] for _, r in batch], [r[2] for _, r in batch])
+        t = time.perf_counter() - start
+        for (i, _), n in zip(batch, lengths):
+            times[i] = [t] * n
+    return times
+
+
+def figures(requests, times):
+    ttft = [times[i][0] - r[0] for i, r in enumerate(requests) if times[i]]
+    tpot = [(times[i][-1] - times[i][0]) / (len(times[i]) - 1)
+            for i in range(len(requests)) if len(times[i]) > 1]
+    makespan = max(t[-1] for t in times.values() if t) - requests[0][0]
+    return {"tok_per_s": sum(map(len, times.values())) / makespan,
+            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
+            "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99))}
+
+
+def ours_static(params, config):
+    def run(prompts, max_new):
+        sampling = [SamplingParams(temperature=0.0, max_new_tokens=m) for m in max_new]
+        return [len(c.tokens) for c in generate(params, config, prompts, sampling)]
+    return run
+
+
+def transformers_static(params, config):
+    import tempfile
+
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from gpt_jax import save_hf_gpt2
+
+    folder = tempfile.mkdtemp()
+    save_hf_gpt2(config, params, folder)
+    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+
+    def run(prompts, max_new):
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(max_new),
+                           do_sample=False, pad_token_id=0)
+        return list(max_new)
+    return run
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="gpt2")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0])
+    p.add_argument("--prompt-min", type=int, default=16)
+    p.add_argument("--prompt-max", type=int, default=128)
+    p.add_argument("--out-min", type=int, default=16)
+    p.add_argument("--out-max", type=int, default=128)
+    p.add_argument("--max-slots", type=int, default=32)
+    p.add_argument("--max-prefill-tokens", type=int, default=256)
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    config = preset(args.preset)
+    params = init_params(config, jax.random.key(0))
+    engines = {"static (generate)": ours_static(params, config)}
+    if not args.no_hf:
+        engines["static (transformers)"] = transformers_static(params, config)
+    rows = []
+    warm = workload(args, config, 1e6, args.seed)  # all at once: every bucket compiles
+    run_continuous(params, config, args, warm)
+    for fn in engines.values():
+        run_static(fn, warm, args.max_slots)
+    for rate in args.rates:
+        requests = workload(args, config, rate, args.seed)
+        times, peak = run_continuous(params, config, args, requests)
+        rows.append({"engine": "continuous (Engine)", "rate": rate, "peak_pages": peak,
+                     **figures(requests, times)})
+        for name, fn in engines.items():
+            rows.append({"engine": name, "rate": rate,
+                         **figures(requests, run_static(fn, requests, args.max_slots))})
+        base = next(r for r in rows if r["rate"] == rate and r["engine"] == "static (generate)")
+        for r in rows:
+            if r["rate"] == rate:
+                r["x_static_tok_per_s"] = r["tok_per_s"] / base["tok_per_s"]
+                r["x_static_ttft_p50"] = r["ttft_p50"] / base["ttft_p50"]
+
+    def plot(ax, rows):
+        for name in dict.fromkeys(r["engine"] for r in rows):
+            sel = [r for r in rows if r["engine"] == name]
+            ax.plot([r["rate"] for r in sel], [r["tok_per_s"] for r in sel], "o-", label=name)
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_ylabel("generated tokens/s")
+        ax.legend()
+
+    save("serving", rows, plot, {k: v for k, v in vars(args).items()})
+
+
+if __name__ == "__main__":
+    main()
