@@ -20,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
+import jax
 import jax.numpy as jnp
 
 from gpt_jax import checkpoint
+from gpt_jax.model import decode_layout
 from gpt_jax.params import check_params
 from inference import engine
 
@@ -69,7 +71,10 @@ class LLM:
             raise ValueError(f"LLM dtype must be one of {DTYPES}, got {dtype!r}")
         self.cache_dtype = jnp.dtype(name)
         check_params(params, config)
-        self.params, self.config, self.tokenizer = params, config, tokenizer
+        # The decode layout once, here: inside each compiled call it would copy every weight.
+        self.params = jax.jit(decode_layout)(
+            jax.tree.map(lambda a: a.astype(self.cache_dtype), params))
+        self.config, self.tokenizer = config, tokenizer
         self._engines: dict[int, engine.Engine] = {}  # by max_slots
 
     def engine(self, max_slots: int) -> engine.Engine:

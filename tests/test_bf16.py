@@ -43,7 +43,7 @@ def test_bfloat16_logits_close_to_float32():
     tokens = [5, 9, 1, 30, 22, 7, 7, 60]
     want, _ = _prefill_then_decode(params, "float32", tokens)
     got, cache = _prefill_then_decode(llm.params, "bfloat16", tokens)
-    assert cache.k.dtype == jnp.bfloat16 and got.dtype == np.float32
+    assert cache.k[0].dtype == jnp.bfloat16 and got.dtype == np.float32
     # bfloat16 keeps 8 significant bits (relative step 2^-8 = 0.4%); through two layers the
     # logits move by a few percent of their spread, never more.
     assert_close(got, want, 0.05 * float(np.abs(want).max()), "bfloat16 vs float32 logits")
