@@ -2,9 +2,21 @@
 seeded arrival workload, with `inference.generate` on the batch that has arrived when the
 previous one ends (our static batching), and optionally `transformers` `generate` likewise.
 
-Usage (also `gpt-jax bench serving [flags]`; writes benchmarks/results/serving.{json,png}):
-  python benchmarks/serving.py --preset gpt2 --requests 32 --rates 0.5 2
-  python benchmarks/serving.py --preset shakespeare-char --requests 64 --rates 4 16 --no-hf
+Usage (also `gpt-jax bench serving [flags]`; writes benchmarks/results/serving-SCENARIO.*):
+  python benchmarks/serving.py arrivals --preset gpt2 --requests 64 --rates 1 8
+  python benchmarks/serving.py prefix --preset gpt2       # 32 requests, 256-token prefix
+  python benchmarks/serving.py long-prompt --preset gpt2  # 1,000 tokens while 16 decode
+  python benchmarks/serving.py decode-step --preset gpt2  # 32 running slots vs generate
+
+Scenarios:
+  arrivals: the workload below through each engine.
+  prefix: 32 requests at once sharing a 256-token prefix (+ 8-32 own tokens), prefix caching
+    on and off: tokens prefilled, TTFT p50/p99.
+  long-prompt: 16 requests decoding, then a 1,000-token prompt arrives; time per output
+    token of the 16 in every step (step time / its tokens), p50 and p99, with chunked
+    prefill (--max-prefill-tokens) and with the whole prompt in one prefill.
+  decode-step: an engine step with 32 running slots (no prefill), per decode step, against
+    the marginal decode step of `generate` at batch 32 (same live length), in turns.
 
 Workload: Poisson arrivals at each rate (requests/s); prompt and output lengths uniform in
 [--prompt-min, --prompt-max] and [--out-min, --out-max]; greedy; random token ids; random
@@ -18,14 +30,18 @@ Every program is compiled in an untimed run of the same workload first.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from gpt_jax import init_params
 from inference import Engine, SamplingParams, generate
-from speed import machine, preset, save  # noqa: F401  (benchmarks/ is the script's folder)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a file or by `gpt-jax bench`
+from speed import preset, save  # noqa: E402
 
 
 def workload(args, config, rate, seed):
@@ -118,9 +134,112 @@ def transformers_static(params, config):
     return run
 
 
+def prefix(args, params, config):
+    rng = np.random.default_rng(args.seed)
+    shared = rng.integers(0, config.vocab_size, 256).tolist()
+    prompts = [shared + rng.integers(0, config.vocab_size, int(n)).tolist()
+               for n in rng.integers(8, 33, 32)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=32)
+    rows = []
+    for caching in (True, False):
+        for timed in (False, True):  # the first run compiles
+            engine = Engine(params, config, max_slots=args.max_slots, prefix_caching=caching,
+                            max_prefill_tokens=args.max_prefill_tokens)
+            start, first = time.perf_counter(), {}
+            for i, prompt in enumerate(prompts):
+                engine.add_request(str(i), prompt, sp)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    first.setdefault(out.request_id, time.perf_counter() - start)
+        stats = engine.stats()
+        ttft = list(first.values())
+        rows.append({"prefix_caching": caching, "prefilled_tokens": stats["prefilled_tokens"],
+                     "prefix_cache_hits": stats["prefix_cache_hits"],
+                     "ttft_p50": float(np.percentile(ttft, 50)),
+                     "ttft_p99": float(np.percentile(ttft, 99)),
+                     "seconds": time.perf_counter() - start})
+    rows[0]["x_fewer_prefill_tokens"] = rows[1]["prefilled_tokens"] / rows[0]["prefilled_tokens"]
+    rows[0]["x_lower_ttft_p50"] = rows[1]["ttft_p50"] / rows[0]["ttft_p50"]
+
+    def plot(ax, rows):
+        ax.bar([f"caching {'on' if r['prefix_caching'] else 'off'}" for r in rows],
+               [r["ttft_p50"] for r in rows])
+        ax.set_ylabel("TTFT p50 (s), 32 requests, 256-token shared prefix")
+
+    save("serving-prefix", rows, plot, vars(args))
+
+
+def long_prompt(args, params, config):
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for budget in (args.max_prefill_tokens, 1024):
+        for timed in (False, True):  # the first run compiles
+            engine = Engine(params, config, max_slots=args.max_slots, max_prefill_tokens=budget)
+            for i in range(16):
+                engine.add_request(str(i), rng.integers(0, config.vocab_size, 32).tolist(),
+                                   SamplingParams(temperature=0.0, max_new_tokens=200))
+            while engine.stats()["prefilling"] or engine.stats()["waiting"]:
+                engine.step()
+            per_token, steps = [], 0
+            while engine.has_unfinished_requests():
+                if steps == 4:
+                    engine.add_request("long", rng.integers(0, config.vocab_size, 1000).tolist(),
+                                       SamplingParams(temperature=0.0, max_new_tokens=8))
+                tick = time.perf_counter()
+                outs = engine.step()
+                seconds = time.perf_counter() - tick
+                per_token += [seconds / len(o.new_token_ids) for o in outs
+                              if o.request_id != "long" and o.new_token_ids]
+                steps += 1
+        rows.append({"max_prefill_tokens": budget, "tpot_p50": float(np.percentile(per_token, 50)),
+                     "tpot_p99": float(np.percentile(per_token, 99)),
+                     "p99_over_p50": float(np.percentile(per_token, 99) / np.percentile(per_token, 50))})
+
+    def plot(ax, rows):
+        ax.bar([f"prefill budget {r['max_prefill_tokens']}" for r in rows],
+               [r["p99_over_p50"] for r in rows])
+        ax.set_ylabel("TPOT p99 / p50 of 16 decoding requests")
+
+    save("serving-long-prompt", rows, plot, vars(args))
+
+
+def decode_step(args, params, config):
+    from speed import decode_step_seconds
+
+    engine = Engine(params, config, max_slots=32)
+    for i in range(32):
+        engine.add_request(str(i), [1] * 64, SamplingParams(temperature=0.0, max_new_tokens=900))
+    while engine.stats()["prefilling"] or engine.stats()["waiting"]:
+        engine.step()
+    for _ in range(2):  # compiled, and the cache warm
+        engine.step()
+    rows = []
+    for _ in range(args.rounds):
+        tick = time.perf_counter()
+        for _ in range(4):
+            engine.step()
+        engine_step = (time.perf_counter() - tick) / (4 * 8)  # CHUNK decode steps per step
+        live = int(np.asarray(engine.state.model.lengths).max())
+        static = decode_step_seconds(params, config, 32, live + 64, live)
+        rows.append({"live": live, "engine_ms": 1e3 * engine_step, "generate_ms": 1e3 * static,
+                     "x_generate": engine_step / static})
+
+    def plot(ax, rows):
+        ax.plot([r["live"] for r in rows], [r["engine_ms"] for r in rows], "o-", label="Engine")
+        ax.plot([r["live"] for r in rows], [r["generate_ms"] for r in rows], "o-",
+                label="generate")
+        ax.set_xlabel("live tokens per row")
+        ax.set_ylabel("decode step, batch 32 (ms)")
+        ax.legend()
+
+    save("serving-decode-step", rows, plot, vars(args))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("scenario", choices=["arrivals", "prefix", "long-prompt", "decode-step"])
     p.add_argument("--preset", default="gpt2")
+    p.add_argument("--rounds", type=int, default=3, help="decode-step: rounds in turn")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0])
     p.add_argument("--prompt-min", type=int, default=16)
@@ -134,6 +253,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     config = preset(args.preset)
     params = init_params(config, jax.random.key(0))
+    scenarios = {"prefix": prefix, "long-prompt": long_prompt, "decode-step": decode_step}
+    if args.scenario in scenarios:
+        return scenarios[args.scenario](args, params, config)
     engines = {"static (generate)": ours_static(params, config)}
     if not args.no_hf:
         engines["static (transformers)"] = transformers_static(params, config)
@@ -164,7 +286,7 @@ def main(argv=None) -> None:
         ax.set_ylabel("generated tokens/s")
         ax.legend()
 
-    save("serving", rows, plot, {k: v for k, v in vars(args).items()})
+    save("serving-arrivals", rows, plot, vars(args))
 
 
 if __name__ == "__main__":

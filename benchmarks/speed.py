@@ -8,7 +8,6 @@ Usage (also `gpt-jax bench NAME [flags]`; every run writes benchmarks/results/NA
   python benchmarks/speed.py roofline              # bandwidth, bytes per step, bound vs step
   python benchmarks/speed.py ttft                  # time to first token, prompts 16..1024
   python benchmarks/speed.py compiles              # 100 requests, prompt lengths 1..512
-  python benchmarks/speed.py offline               # 256 prompts via LLM.generate, grouped
 
 Weights are random (no downloads), float32 (`roofline` and `throughput --bf16` add the
 bfloat16 weights-and-cache mode). Ours and `transformers` run in the same process
@@ -418,43 +417,6 @@ def compiles(args) -> None:
          {"preset": args.preset, "per_request": rows})
 
 
-# --------------------------------------------------------------------- 7: offline batches
-
-
-def offline(args) -> None:
-    from gpt_jax import CharTokenizer
-    from inference.llm import LLM
-
-    config = preset(args.preset)
-    chars = [chr(32 + i) for i in range(config.vocab_size)]
-    llm = LLM(init_params(config, jax.random.key(0)), config, CharTokenizer(chars))
-    rng = np.random.default_rng(0)
-    prompts = ["".join(rng.choice(chars, int(n))) for n in rng.integers(1, args.max_len + 1,
-                                                                         args.prompts)]
-    sp = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
-    chunks = [prompts[i: i + args.batch] for i in range(0, len(prompts), args.batch)]
-    runs = {
-        "arrival order": lambda: [c for chunk in chunks for c in llm.generate(
-            chunk, sp, max_batch_size=args.batch, progress=False)],
-        "grouped by length": lambda: llm.generate(prompts, sp, max_batch_size=args.batch),
-    }
-    rows = []
-    for name, run in runs.items():
-        run()  # compile every bucket first
-        start = time.perf_counter()
-        out = run()
-        seconds = time.perf_counter() - start
-        rows.append({"order": name, "prompts": len(prompts), "batch": args.batch,
-                     "seconds": seconds, "tok_per_s": sum(len(c.tokens) for c in out) / seconds})
-    rows[1]["x_arrival"] = rows[1]["tok_per_s"] / rows[0]["tok_per_s"]
-
-    def plot(ax, rows):
-        ax.bar([r["order"] for r in rows], [r["tok_per_s"] for r in rows])
-        ax.set_ylabel(f"generated tokens/s ({args.prompts} prompts, LLM.generate)")
-
-    save("offline", rows, plot, {"preset": args.preset, "new_tokens": args.new_tokens})
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="gpt-jax bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="name", required=True)
@@ -489,15 +451,9 @@ def main(argv=None) -> None:
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--max-new-tokens", type=int, default=32, help="every request's")
     p.add_argument("--all-rows", action="store_true", help="print every request")
-    p = sub.add_parser("offline")
-    p.add_argument("--preset", default="shakespeare-char")
-    p.add_argument("--prompts", type=int, default=256)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     {"throughput": throughput, "live-length": live_length, "roofline": roofline,
-     "ttft": ttft, "compiles": compiles, "offline": offline}[args.name](args)
+     "ttft": ttft, "compiles": compiles}[args.name](args)
 
 
 if __name__ == "__main__":

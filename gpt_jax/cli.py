@@ -12,7 +12,7 @@ commands:
   generate   generate text from a trained run (python -m inference.cli)
   demo       data, train shakespeare-char within a time budget (once), generate (make demo)
   bench      run a benchmark from benchmarks/: gpt-jax bench NAME [flags], NAME one of
-             throughput, live-length, roofline, ttft, compiles, offline (speed.py) or
+             throughput, live-length, roofline, ttft, compiles (speed.py) or
              another script's name (benchmarks/NAME.py); gpt-jax bench NAME --help
 """
 
@@ -83,7 +83,7 @@ def demo_main(argv):
     print("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
 
 
-SPEED_BENCHMARKS = ("throughput", "live-length", "roofline", "ttft", "compiles", "offline")
+SPEED_BENCHMARKS = ("throughput", "live-length", "roofline", "ttft", "compiles")
 
 
 def bench_main(argv):

@@ -154,6 +154,7 @@ class Scheduler:
         self.free_slots = list(range(max_slots))  # a heap: the lowest slot first
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: list[Sequence] = []  # PREFILLING and RUNNING, in admission order
+        self.pending: dict[bytes, Sequence] = {}  # prefix key -> the sequence prefilling it
         self.page_table = np.full((max_slots, max_pages), NO_PAGE, np.int32)
         self.admissions = 0
         self.preemptions = 0
@@ -167,18 +168,17 @@ class Scheduler:
 
     def admit(self) -> None:
         """Move waiting sequences into free slots, first come first served, while their
-        prompt (and, for a preempted one, its output so far) fits the free pages. A later
-        sample of an n > 1 request waits until an earlier one has prefilled the prompt, so
-        it finds the prompt's pages."""
+        prompt (and, for a preempted one, its output so far) fits the free pages. A sequence
+        whose next prefix page is being prefilled by an admitted one (requests with the same
+        prefix arriving together; the n samples of a request) waits until it is written, so
+        it shares the page instead of computing it again."""
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
-            if seq.sample_index > 0 and any(
-                    s.request_id == seq.request_id and s.status == Status.PREFILLING
-                    for s in self.active):
-                return
             target = seq.prompt + seq.output
             keys = page_hashes(target[:-1], self.page_size) if self._shares(seq) else []
             hits = self.pool.lookup(keys)
+            if len(hits) < len(keys) and keys[len(hits)] in self.pending:
+                return
             needed = pages_for(len(target), self.page_size) - len(hits)
             # hits that are evictable are no longer free once retained
             if needed + sum(self.pool.refs[p] == 0 for p in hits) > self.pool.num_free():
@@ -195,6 +195,9 @@ class Scheduler:
             self.prefix_cache_hits += len(hits)
             self.active.append(seq)
             self._set_table(seq)
+            for key in keys[len(hits):]:  # pages this sequence will write: others wait for them
+                if key not in self.pool.page_of:
+                    self.pending.setdefault(key, seq)
 
     def prefill_work(self) -> list[PrefillWork]:
         """Chunks of the prefilling sequences for one prefill call, in admission order: at
@@ -223,6 +226,8 @@ class Scheduler:
                 keys = page_hashes(seq.target[: seq.prefilled], self.page_size)
                 for i in range(seq.registered, len(keys)):
                     self.pool.register(seq.pages[i], keys[i])
+                    if self.pending.get(keys[i]) is seq:
+                        del self.pending[keys[i]]
                 seq.registered = len(keys)
             if w.completes:
                 seq.status = Status.RUNNING
@@ -258,6 +263,8 @@ class Scheduler:
         """Release a sequence's pages and slot (finished, aborted or preempted)."""
         if seq in self.active:
             self.active.remove(seq)
+        for key in [k for k, owner in self.pending.items() if owner is seq]:
+            del self.pending[key]
         if seq.slot is not None:
             self.page_table[seq.slot] = NO_PAGE
             heapq.heappush(self.free_slots, seq.slot)

@@ -110,9 +110,8 @@ def test_prefix_caching_shares_pages_and_changes_no_output(config, params):
     results, stats = {}, {}
     for caching in (True, False):
         engine = Engine(params, config, max_slots=4, page_size=8, prefix_caching=caching)
-        engine.add_request(*requests[0])  # the first fills the cache, the rest join later
-        engine.step()
-        results[caching] = run_engine(engine, requests[1:])
+        # All at once: the later ones wait for the first to write the prefix pages
+        results[caching] = run_engine(engine, requests)
         stats[caching] = engine.stats()
     assert stats[True]["prefix_cache_hits"] >= 5 * 3, stats[True]
     assert stats[False]["prefix_cache_hits"] == 0
