@@ -194,17 +194,16 @@ def _write(cache, slot, start, size):
     return kv.write(cache, new, new, jnp.zeros(2, jnp.int32).at[slot].set(size))
 
 
-@pytest.mark.parametrize("start, size", [(8, 1), (10, 1), (6, 3), (7, 2)])
-def test_g06_out_of_range_cache_writes_are_refused(one_layer_cache, start, size):
+@pytest.mark.parametrize("start, size, pages", [(9, 1, 3), (8, 2, 3), (6, 1, 2), (5, 2, 2)])
+def test_g06_out_of_range_cache_writes_are_refused(one_layer_cache, start, size, pages):
+    """Past the slot's page table, or into a table entry with no page (the slot's third page
+    taken away): refused whole, never clamped onto the last page."""
     cache = one_layer_cache
+    if pages == 2:
+        cache = cache.replace(page_table=cache.page_table.at[1, 2].set(kv.NO_PAGE))
     message = (rf"KV cache write of {size} token\(s\) at position {start} of slot 1 is out of "
-               r"range: the slot has 3 page\(s\) of 3 = 9 token slots")
-    if start + size <= 9:  # inside the pages but past the 8 the slot was made for
-        message = None
-    with pytest.raises(ValueError, match=message or "."):
-        if message is None:  # fits the pages: written; refuse it by taking the last page
-            cache = cache.replace(page_table=cache.page_table.at[1, 2].set(kv.NO_PAGE))
-            message = (rf"of slot 1 is out of range: the slot has 2 page\(s\) of 3 = 6")
+               rf"range: the slot has {pages} page\(s\) of 3 = {3 * pages} token slots")
+    with pytest.raises(ValueError, match=message):
         _write(cache, 1, start, size)
     out = jax.jit(_write, static_argnums=(1, 3))(cache, 1, start, size)
     assert bool(out.overflow[1]) and not bool(out.overflow[0])
