@@ -7,8 +7,9 @@ over a padded batch, so every row has its own length, write position and positio
 row's output never depends on the other rows. The new keys and values of all rows are then
 stored with one scatter per layer (`gpt_jax.cache.write`).
 
-`generate` runs the whole token loop inside one jitted program: a `lax.scan` over a chunk of
-steps inside a `lax.while_loop` that exits once every row has finished. A request with
+`generate` runs the whole token loop inside one jitted program: prefill with the first
+token, then a `lax.scan` over a chunk of steps inside a `lax.while_loop` that exits once
+every row has finished. A request with
 `n > 1` is prefilled once, into the pages of its first sample's row; the other samples'
 rows get a copy of those pages. The loop takes the model as two functions (`prefill_fn`,
 `step_fn`), so `naive_generate` (inference.naive) runs the same loop, sampler and stop logic
@@ -17,8 +18,12 @@ with full recomputation instead of a cache.
 `Engine` (continuous batching: requests join and leave between chunks of decode steps) runs
 the same `prefill` and decode step on one long-lived cache whose pages the host hands out
 (`inference.scheduler`): `engine_prefill` prefills chunks of prompts into their slots and
-inserts finished prompts into the decode state; `engine_decode` runs one chunk of decode
-steps for every occupied slot.
+inserts finished prompts into the decode state with their first token; `engine_decode` runs
+one chunk of decode steps for every occupied slot.
+
+Every decode step feeds each running row the token it sampled last and samples its next
+(`decode_one`); a prefill ends by sampling each row's first token (`sample_and_record`), so
+the first token comes with the prefill.
 
 Bounded compilation: prompt length, batch size and max_new_tokens are padded to power-of-two
 buckets, and sampling parameters are traced arrays, so a new program is compiled only for a
@@ -141,7 +146,7 @@ def decode_step(params: Params, config: GPTConfig, tokens_B, cache: PagedKVCache
 @struct.dataclass
 class DecodeState:
     model: PagedKVCache | struct.PyTreeNode  # the cache (or, for naive decoding, the sequences)
-    logits: jax.Array  # [B, V] float32, next-token logits
+    next_token: jax.Array  # [B] int32, the row's last sampled token, fed at its next step
     tokens: jax.Array  # [B, N] int32, generated tokens, at index = the row's step
     logprobs: jax.Array  # [B, N] float32, model log-prob of each token (0 if none asked, R = 0)
     top_ids: jax.Array  # [B, N, R] int32, most likely alternatives per step (R = 0 if off)
@@ -165,14 +170,14 @@ def prompt_seen(tokens_PT, lengths_P, vocab_size: int):
     return jnp.zeros((P, vocab_size), jnp.int32).at[jnp.arange(P)[:, None], tokens_PT].add(real_PT) > 0
 
 
-def init_state(model, logits_BV, seen_BV, stops, *, n_steps, n_top, pad_id=0) -> DecodeState:
-    """The decode state before the first token: the token buffer holds `pad_id`, which a
-    finished row's places keep."""
-    B, V = logits_BV.shape
+def init_state(model, seen_BV, stops, *, n_steps, n_top, pad_id=0) -> DecodeState:
+    """The decode state before the first token (sampled from the prefill's logits by
+    `sample_and_record`): the token buffer holds `pad_id`, which a finished row's places keep."""
+    B, V = seen_BV.shape
     done_B = stops.max_new_tokens <= 0
     return DecodeState(
         model=model,
-        logits=logits_BV,
+        next_token=jnp.full((B,), pad_id, jnp.int32),
         tokens=jnp.full((B, n_steps), pad_id, jnp.int32),
         logprobs=jnp.zeros((B, n_steps), jnp.float32),
         top_ids=jnp.zeros((B, n_steps, n_top), jnp.int32),
@@ -206,56 +211,63 @@ def _token_logprobs(logits_BV, token_B, wanted_B, n_top: int):
     return jax.lax.cond(wanted_B.any(), compute, skip, logits_BV)
 
 
-def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
-               stops: stopping.StopArrays, pad_id: int) -> DecodeState:
-    """Sample one token per running row, record it at the row's step, then feed it to the
-    model.
+def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArrays,
+                      stops: stopping.StopArrays, pad_id: int) -> DecodeState:
+    """Sample the next token of every `active_B` row from `logits_BV` and record it at the
+    row's step: it becomes the row's `next_token`, fed at its next decode step unless the
+    row has now finished. Other rows do not change.
 
     Stop checks, in order: an EOS id (kept), a token stop sequence the output now ends with
-    (cut: `num_tokens` drops its length), `max_new_tokens`. A finished row stops changing:
-    it records nothing, adds nothing to its counts, and its cache length no longer advances.
+    (cut: `num_tokens` drops its length), `max_new_tokens`.
     """
     B, n_steps = state.tokens.shape
-    step_B, running_B = state.step, ~state.done
-    token_B = sample(state.logits, rows, state.prompt_seen, state.output_counts, step_B, pad_id)
-    token_B = jnp.where(running_B, token_B, pad_id)
+    step_B = state.step
+    token_B = sample(logits_BV, rows, state.prompt_seen, state.output_counts, step_B, pad_id)
+    token_B = jnp.where(active_B, token_B, pad_id)
     token_logprob_B, top_logprobs_BR, top_ids_BR = _token_logprobs(
-        state.logits, token_B, running_B & (rows.logprobs >= 0), state.top_ids.shape[-1])
+        logits_BV, token_B, active_B & (rows.logprobs >= 0), state.top_ids.shape[-1])
 
-    num_tokens_B = state.num_tokens + running_B
+    num_tokens_B = state.num_tokens + active_B
     recent_BM = jnp.where(
-        running_B[:, None],
+        active_B[:, None],
         jnp.concatenate([state.recent[:, 1:], token_B[:, None]], axis=1),
         state.recent,
     )
-    eos_B = running_B & stopping.is_eos(token_B, stops.stop_token_ids)
-    stop_len_B = jnp.where(running_B & ~eos_B,
+    eos_B = active_B & stopping.is_eos(token_B, stops.stop_token_ids)
+    stop_len_B = jnp.where(active_B & ~eos_B,
                            stopping.matched_stop_length(recent_BM, stops.stop_sequences), 0)
     stop_B = stop_len_B > 0
-    full_B = running_B & (num_tokens_B >= stops.max_new_tokens)
+    full_B = active_B & (num_tokens_B >= stops.max_new_tokens)
     finish_B = jnp.select([eos_B, stop_B, full_B],
                           [stopping.EOS, stopping.STOP, stopping.LENGTH], state.finish)
-    done_B = state.done | eos_B | stop_B | full_B
-
-    # Always feed (finished rows do not advance): a lax.cond skipping the step once every
-    # row is done made XLA copy the whole KV cache in both branches on every step.
-    logits_BV, model = step_fn(token_B, state.model, ~done_B)
-    row_B, at_B = jnp.arange(B), jnp.where(running_B, step_B, n_steps)  # n_steps: dropped
+    row_B, at_B = jnp.arange(B), jnp.where(active_B, step_B, n_steps)  # n_steps: dropped
     record = lambda buf, x: buf.at[row_B, at_B].set(x, mode="drop")  # noqa: E731
     return state.replace(
-        model=model,
-        logits=logits_BV,
+        next_token=jnp.where(active_B, token_B, state.next_token),
         tokens=record(state.tokens, token_B),
         logprobs=record(state.logprobs, token_logprob_B),
         top_ids=record(state.top_ids, top_ids_BR),
         top_logprobs=record(state.top_logprobs, top_logprobs_BR),
-        step=step_B + running_B,
-        done=done_B,
+        step=step_B + active_B,
+        done=state.done | eos_B | stop_B | full_B,
         finish=finish_B,
         num_tokens=num_tokens_B - stop_len_B,
         recent=recent_BM,
-        output_counts=state.output_counts.at[row_B, token_B].add(running_B.astype(jnp.int32)),
+        output_counts=state.output_counts.at[row_B, token_B].add(active_B.astype(jnp.int32)),
     )
+
+
+def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
+               stops: stopping.StopArrays, pad_id: int) -> DecodeState:
+    """One decode step: feed every running row its last sampled token, then sample and
+    record its next (`sample_and_record`). A finished row stops changing: it is fed but does
+    not advance, records nothing and adds nothing to its counts."""
+    running_B = ~state.done
+    # Always feed (finished rows do not advance): a lax.cond skipping the step once every
+    # row is done made XLA copy the whole KV cache in both branches on every step.
+    logits_BV, model = step_fn(state.next_token, state.model, running_B)
+    return sample_and_record(state.replace(model=model), logits_BV, running_B, rows, stops,
+                             pad_id)
 
 
 def decode_chunk(state, step_fn, rows, stops, pad_id, chunk=CHUNK) -> DecodeState:
@@ -317,13 +329,15 @@ def init_cache_rows(config, batch_size, capacity, cache_dtype) -> PagedKVCache:
                          page_size=min(PAGE_SIZE, capacity))
 
 
-def _start(params, config, tokens_PT, lengths_P, source_B, stops, *, capacity, n_steps, n_top,
-           model_fns, cache_dtype, forked, pad_id):
+def _start(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity, n_steps,
+           n_top, model_fns, cache_dtype, forked, pad_id):
+    """Prefill, and the first token of every row sampled from the prefill's logits."""
     prefill_fn, _ = model_fns(params, config, capacity, cache_dtype)
     logits_BV, model = prefill_fn(tokens_PT, lengths_P, source_B, forked)
     seen_PV = prompt_seen(tokens_PT, lengths_P, logits_BV.shape[-1])
-    return init_state(model, logits_BV, jnp.take(seen_PV, source_B, axis=0), stops,
-                      n_steps=n_steps, n_top=n_top, pad_id=pad_id)
+    state = init_state(model, jnp.take(seen_PV, source_B, axis=0), stops, n_steps=n_steps,
+                       n_top=n_top, pad_id=pad_id)
+    return sample_and_record(state, logits_BV, ~state.done, rows, stops, pad_id)
 
 
 _STATIC = ("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype", "pad_id",
@@ -334,7 +348,7 @@ _STATIC = ("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype",
 def generate_program(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity,
                      n_steps, n_top, model_fns, cache_dtype, pad_id, forked):
     """Prefill and the whole decode loop, as one compiled program."""
-    state = _start(params, config, tokens_PT, lengths_P, source_B, stops, capacity=capacity,
+    state = _start(params, config, tokens_PT, lengths_P, source_B, rows, stops, capacity=capacity,
                    n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype,
                    forked=forked, pad_id=pad_id)
     _, step_fn = model_fns(params, config, capacity, cache_dtype)
@@ -489,7 +503,7 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
 
 def fetch(state: DecodeState) -> DecodeState:
     """The decode state on the host, without the model and the per-vocabulary arrays."""
-    return jax.device_get(state.replace(model=None, logits=None, prompt_seen=None,
+    return jax.device_get(state.replace(model=None, prompt_seen=None,
                                         output_counts=None))
 
 
@@ -576,22 +590,29 @@ class PrefillBatch:
     output_counts: jax.Array  # [R, V] int32, occurrences among its generated tokens
 
 
-@functools.partial(jax.jit, static_argnames="config", donate_argnames="state")
-def engine_prefill(params, config, state: DecodeState, page_table, batch: PrefillBatch):
+@functools.partial(jax.jit, static_argnames=("config", "pad_id"), donate_argnames="state")
+def engine_prefill(params, config, state: DecodeState, page_table, batch: PrefillBatch, rows,
+                   stops, *, pad_id: int):
     """Prefill one chunk per row into its slot (at `batch.start`, attending to what the slot
-    already holds), and insert every row whose prompt is now complete into the decode state:
-    its logits, history and step. `state` is donated: the cache is written in place."""
+    already holds); every row whose prompt is now complete joins the decode state (its
+    history and step) with its first token sampled from the prefill's logits. `state` is
+    donated: the cache is written in place."""
     cache = state.model.replace(page_table=page_table)
     cache = cache.replace(lengths=cache.lengths.at[batch.slot].set(batch.start, mode="drop"))
     logits_RV, cache = _prefill(params, config, batch.tokens, batch.n_valid, cache, batch.slot)
-    at_R = jnp.where(batch.insert, batch.slot, state.done.shape[0])
+    B = state.done.shape[0]
+    at_R = jnp.where(batch.insert, batch.slot, B)
     put = lambda x, y: x.at[at_R].set(y, mode="drop")  # noqa: E731
-    return state.replace(
-        model=cache, logits=put(state.logits, logits_RV), step=put(state.step, batch.step),
-        num_tokens=put(state.num_tokens, batch.step), done=put(state.done, False),
-        finish=put(state.finish, stopping.RUNNING), recent=put(state.recent, batch.recent),
+    state = state.replace(
+        model=cache, step=put(state.step, batch.step), num_tokens=put(state.num_tokens, batch.step),
+        done=put(state.done, False), finish=put(state.finish, stopping.RUNNING),
+        recent=put(state.recent, batch.recent),
         prompt_seen=put(state.prompt_seen, batch.prompt_seen),
         output_counts=put(state.output_counts, batch.output_counts))
+    inserted_B = jnp.zeros((B,), bool).at[at_R].set(True, mode="drop")
+    logits_BV = jnp.zeros((B, logits_RV.shape[-1]), jnp.float32).at[at_R].set(logits_RV,
+                                                                              mode="drop")
+    return sample_and_record(state, logits_BV, inserted_B, rows, stops, pad_id)
 
 
 def _first_rows(state: DecodeState, n: int) -> DecodeState:
@@ -680,14 +701,15 @@ class Engine:
             for out in engine.step():
                 print(out.request_id, out.new_token_ids, out.finished)
 
-    Each `step()` admits waiting requests into free slots, prefills up to
+    Each `step()` admits waiting requests into free slots, then either prefills up to
     `max_prefill_tokens` prompt tokens (a long prompt goes in over several steps: chunked
-    prefill, so running requests keep producing tokens meanwhile), inserts the prompts that
-    are complete into the decode batch, runs one chunk of `CHUNK` decode steps for every
-    running request as one compiled `lax.scan`, and frees the pages and slot of every
-    request that finished. Requests join and leave between chunks. When the pages cannot
-    hold the next chunk of every running request, the most recently admitted request is
-    preempted (pages freed, output kept) and recomputed when a slot and pages free up.
+    prefill) and samples the first token of every prompt that is complete, or runs one chunk
+    of `CHUNK` decode steps for every running request as one compiled `lax.scan`; with both
+    to do they take turns, so running requests keep producing tokens while prompts load.
+    It frees the pages and slot of every request that finished. Requests join and leave
+    between chunks. When the pages cannot hold the next chunk of every running request, the
+    most recently admitted request is preempted (pages freed, output kept) and recomputed
+    when a slot and pages free up.
     With `prefix_caching`, full prompt pages are shared by requests whose prompts start
     alike (`inference.scheduler`). A request's tokens do not depend on when it arrived or
     on its neighbours: every row samples from its own seed, sample index and step.
@@ -740,9 +762,10 @@ class Engine:
         cache = kv.empty_cache(config, num_pages, max_slots, max_pages, page_size, dtype)
         B, V = max_slots, config.vocab_size
         self.state = init_state(
-            cache, jnp.zeros((B, V), jnp.float32), jnp.zeros((B, V), bool),
+            cache, jnp.zeros((B, V), bool),
             stopping.StopArrays.from_lists([0] * B, [()] * B, [()] * B, self.widths),
             n_steps=config.max_seq_len, n_top=MAX_LOGPROBS)
+        self.last_step_prefilled = False
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests' samples
         self.finished_ids: set[str] = set()
         self.finished_at_once: list[Sequence] = []  # max_new_tokens = 0: output next step
@@ -833,33 +856,48 @@ class Engine:
     # ------------------------------------------------------------------ one iteration
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler iteration: admit, prefill a chunk, decode a chunk, collect. Returns
-        an output for every sample that produced tokens or finished in it."""
+        """One scheduler iteration: admit waiting requests, then either prefill a chunk of
+        prompts (the first token of every prompt it completes is sampled at once) or run a
+        chunk of decode steps for every running request; with both to do, the two take
+        turns, so prompts arriving or loading never stall the running requests for more
+        than one prefill chunk in a row. Returns an output for every sample that produced
+        tokens or finished in it."""
         outputs = [self._output(seq) for seq in self.finished_at_once]  # max_new_tokens = 0
         self.finished_at_once.clear()
         s = self.scheduler
         s.admit()
         work = s.prefill_work()
-        if work:
-            self.state = engine_prefill(self.params, self.config, self.state,
-                                        jnp.asarray(s.page_table), self._prefill_batch(work))
-            s.prefilled(work)
-        s.reserve_decode(CHUNK)
         running = [q for q in s.active if q.status == Status.RUNNING]
-        if running:
-            live = np.zeros(self.max_slots, bool)
-            live[[q.slot for q in running]] = True
-            n_rows = min(self.max_slots, bucket(max(q.slot for q in running) + 1))
+        if work and not (running and self.last_step_prefilled):
             rows, stops = self._row_arrays()
-            self.state = engine_decode(self.params, self.config, self.state,
-                                       jnp.asarray(s.page_table), jnp.asarray(live), rows, stops,
-                                       n_rows=n_rows, pad_id=0)
-            outputs += self._collect(running)
+            self.state = engine_prefill(self.params, self.config, self.state,
+                                        jnp.asarray(s.page_table), self._prefill_batch(work),
+                                        rows, stops, pad_id=0)
+            s.prefilled(work)
+            outputs += self._collect([w.seq for w in work if w.completes])
+            self.last_step_prefilled = True
+        elif running:
+            self.last_step_prefilled = False
+            s.reserve_decode(CHUNK)  # may preempt some of them (all, in a corner case)
+            running = [q for q in s.active if q.status == Status.RUNNING]
+            if running:
+                outputs += self._decode(running)
         for request_id in [r for r, seqs in self.requests.items()
                            if all(q.status == Status.FINISHED for q in seqs)]:
             del self.requests[request_id]
             self.finished_ids.add(request_id)
         return outputs
+
+    def _decode(self, running: list[Sequence]) -> list[RequestOutput]:
+        """One chunk of decode steps over the first slots, every running one among them."""
+        live = np.zeros(self.max_slots, bool)
+        live[[q.slot for q in running]] = True
+        n_rows = min(self.max_slots, bucket(max(q.slot for q in running) + 1))
+        rows, stops = self._row_arrays()
+        self.state = engine_decode(self.params, self.config, self.state,
+                                   jnp.asarray(self.scheduler.page_table), jnp.asarray(live),
+                                   rows, stops, n_rows=n_rows, pad_id=0)
+        return self._collect(running)
 
     def _prefill_batch(self, work: list[PrefillWork]) -> PrefillBatch:
         R = bucket(len(work))
@@ -902,7 +940,7 @@ class Engine:
         """Read the decode state: new tokens of each running sample, finished ones freed."""
         want_logprobs = any(q.sampling.logprobs is not None for q in running)
         host = jax.device_get(self.state.replace(
-            model=None, logits=None, prompt_seen=None, output_counts=None,
+            model=None, prompt_seen=None, output_counts=None,
             **({} if want_logprobs else {"logprobs": None, "top_ids": None,
                                          "top_logprobs": None})))
         outputs = []
