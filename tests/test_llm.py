@@ -61,11 +61,13 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
 def first_at(text, width, offset, across_chunks):
     """A substring of `width` characters starting `offset` into a token, whose first
     occurrence in `text` is exactly there and which (if `across_chunks`) straddles the end
-    of a compiled chunk, so that streaming sees only its beginning first."""
+    of a compiled chunk, so that streaming sees only its beginning first (the first token
+    comes with the prefill, then chunks of CHUNK tokens: text arrives in pieces that end at
+    token 1, 1 + CHUNK, ...)."""
     chunk_chars = engine.CHUNK * WIDTH
     for t in range(3, len(text) // WIDTH - 2):
         s = t * WIDTH + offset
-        straddles = s // chunk_chars != (s + width - 1) // chunk_chars
+        straddles = (s - WIDTH) // chunk_chars != (s + width - 1 - WIDTH) // chunk_chars
         if text.find(text[s:s + width]) == s and straddles == across_chunks:
             return s, text[s:s + width]
     raise AssertionError(f"no unique stop string candidate in {text!r}")
@@ -117,7 +119,8 @@ def test_stop_string_cuts_text_stops_the_row_and_never_streams(llm, width, offse
     texts, completions = joined_and_checked(llm.stream([PROMPT, other], sampling), 2)
     assert texts == [out.text, other_out.text]
     assert completions[0].tokens == out.tokens
-    running_chunks = -(-len(out.tokens) // engine.CHUNK)  # then row 0 generates no more
+    # the first token comes with the prefill; then row 0 generates no more
+    running_chunks = -(-(len(out.tokens) - 1) // engine.CHUNK)
     assert done == [False] * running_chunks + [True] * (len(done) - running_chunks)
 
     done.clear()  # alone, the stopped row ends the run at the next chunk boundary
@@ -127,7 +130,7 @@ def test_stop_string_cuts_text_stops_the_row_and_never_streams(llm, width, offse
 
 def test_a_stop_prefix_that_never_completes_is_released(llm):
     (full,) = llm.generate([PROMPT], GREEDY)
-    chunk_end = engine.CHUNK * WIDTH
+    chunk_end = (1 + engine.CHUNK) * WIDTH  # the prefill's first token, then a chunk
     tail = full.text[chunk_end - 3:chunk_end]  # streaming must hold it back for a chunk
     sampling = SamplingParams(temperature=0.0, max_new_tokens=48, stop=[tail + "z"])
     texts, (c,) = joined_and_checked(llm.stream([PROMPT], sampling), 1)
@@ -146,7 +149,7 @@ def test_streamed_bytes_never_break_a_character(config):
     texts, completions = joined_and_checked(llm.stream(["abc"], sampling), 8)
     assert texts == [c.text for c in llm.generate(["abc"], sampling)]
     # the test can fail only if some chunk ended inside a character that a later token completed
-    split = [k for c in completions for k in range(8, len(c.tokens), 8)
+    split = [k for c in completions for k in range(1, len(c.tokens), engine.CHUNK)
              if not c.text.startswith(llm.tokenizer.decode(c.tokens[:k]))]
     assert split, "no character was split across a chunk boundary"
     assert any(ord(ch) > 127 and ch != "\ufffd" for t in texts for ch in t)
