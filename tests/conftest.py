@@ -14,6 +14,15 @@ def lively_params(config, seed=1, scale=6.0):
     return jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x, params)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+    """Drop every compiled program after each test module. XLA:CPU maps each program's code
+    into memory; the whole suite's programs kept alive exceeded the kernel's limit on memory
+    maps (vm.max_map_count, 65530) and LLVM aborted with "Cannot allocate memory"."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def config():
     return GPTConfig.preset("tiny")
