@@ -32,6 +32,7 @@ new bucket. `compile_counts()` reports how many programs each entry point has co
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import numbers
@@ -55,6 +56,7 @@ from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
 CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk boundaries
 MIN_PROMPT_BUCKET = 16
 PAGE_SIZE = 16  # token slots per KV page, unless a caller chooses another
+FINISHED_IDS = 100_000  # finished request ids an Engine remembers (abort of one: no error)
 
 
 # ----------------------------------------------------------------------------- model steps
@@ -661,7 +663,7 @@ class RequestOutput:
     token_ids: list[int]  # every generated token so far
     new_token_ids: list[int]  # those generated since the last output of this sample
     finished: bool
-    finish_reason: str | None  # "eos", "stop", "length", "abort"; None while running
+    finish_reason: str | None  # "eos", "stop" or "length"; None while running
     seed: int  # the request's seed (see `Completion.seed`)
     text: str | None = None  # decoded text so far, with a tokenizer (final text when finished)
     new_text: str | None = None  # text since the last output (never a partial character or
@@ -725,31 +727,44 @@ class Engine:
       prefix_caching: share full prompt pages between requests (automatic prefix caching).
       max_prefill_tokens: most prompt tokens prefilled per step (the chunk budget).
     Raises:
-      ValueError: a size out of range, both num_pages and kv_cache_bytes given, a pool too
-        small for one max_seq_len request, or params that do not match `config`.
+      ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
+        kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
+        tokenizer without encode/decode, another cache dtype, or params that do not match
+        `config`. (A pool too small for some request is found per request, by add_request.)
     """
 
     def __init__(self, params, config: GPTConfig, tokenizer=None, *, max_slots: int = 16,
                  num_pages: int | None = None, kv_cache_bytes: int | None = None,
                  page_size: int = PAGE_SIZE, cache_dtype="float32", prefix_caching: bool = True,
                  max_prefill_tokens: int = 256):
-        for name, value in (("max_slots", max_slots), ("page_size", page_size),
-                            ("max_prefill_tokens", max_prefill_tokens)):
-            if not isinstance(value, int) or value < 1:
+        sizes = dict(max_slots=max_slots, page_size=page_size,
+                     max_prefill_tokens=max_prefill_tokens, num_pages=num_pages,
+                     kv_cache_bytes=kv_cache_bytes)
+        for name, value in sizes.items():
+            if value is None and name in ("num_pages", "kv_cache_bytes"):
+                continue
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Engine {name} must be an int >= 1, got {value!r}")
+        max_slots, page_size, max_prefill_tokens = int(max_slots), int(page_size), \
+            int(max_prefill_tokens)
         if num_pages is not None and kv_cache_bytes is not None:
             raise ValueError("give the Engine num_pages or kv_cache_bytes, not both")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"Engine prefix_caching must be True or False, got {prefix_caching!r}")
+        if tokenizer is not None and not (hasattr(tokenizer, "encode")
+                                          and hasattr(tokenizer, "decode")):
+            raise ValueError(f"Engine tokenizer must have encode and decode, got {tokenizer!r}")
         dtype = jnp.dtype(cache_dtype)
         if dtype.name not in ("float32", "bfloat16"):
             raise ValueError(f"Engine cache_dtype must be float32 or bfloat16, got {cache_dtype!r}")
         max_pages = kv.pages_for(config.max_seq_len, page_size)
         if kv_cache_bytes is not None:
-            num_pages = kv_cache_bytes // kv.cache_bytes(config, 1, page_size, dtype)
-        if num_pages is None:
-            num_pages = max_slots * max_pages
-        if not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"Engine num_pages must be an int >= 1, got {num_pages!r}"
-                             + (f" (from kv_cache_bytes={kv_cache_bytes})" if kv_cache_bytes else ""))
+            page_bytes = kv.cache_bytes(config, 1, page_size, dtype)
+            num_pages = int(kv_cache_bytes) // page_bytes
+            if num_pages < 1:
+                raise ValueError(f"Engine kv_cache_bytes={kv_cache_bytes} holds no page; one "
+                                 f"page of {page_size} tokens takes {page_bytes} bytes")
+        num_pages = max_slots * max_pages if num_pages is None else int(num_pages)
         check_params(params, config)
         self.params = jax.jit(decode_layout)(jax.tree.map(lambda a: a.astype(dtype), params))
         self.config, self.tokenizer, self.cache_dtype = config, tokenizer, dtype
@@ -767,7 +782,8 @@ class Engine:
             n_steps=config.max_seq_len, n_top=MAX_LOGPROBS)
         self.last_step_prefilled = False
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests' samples
-        self.finished_ids: set[str] = set()
+        # ids of finished requests (aborting one does nothing), the latest FINISHED_IDS kept
+        self.finished_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.finished_at_once: list[Sequence] = []  # max_new_tokens = 0: output next step
         self.arrivals = 0
 
@@ -791,12 +807,19 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass one to the Engine")
             prompt = self.tokenizer.encode(prompt)
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass one to the Engine")
-        (prompt,), _ = validate(self.config, [prompt], [sampling])
-        if not prompt and sampling.max_new_tokens > 0:
-            raise ValueError(f"request {request_id!r}: the prompt is empty; a prompt needs at "
-                             "least one token")
+        if not isinstance(prompt, (str, list, tuple)) or (
+                not prompt and sampling.max_new_tokens > 0):
+            raise ValueError(f"request {request_id!r}: the prompt is {prompt!r:.40}; a prompt "
+                             "is a non-empty list of token ids (or text, with a tokenizer)")
+        try:
+            (prompt,), _ = validate(self.config, [prompt], [sampling])
+        except ValueError as error:  # name the request, not a position in a list
+            raise ValueError(str(error).replace("prompt 0", f"request {request_id!r}", 1)) \
+                from None
         need = kv.pages_for(len(prompt) + sampling.max_new_tokens, self.page_size)
         if need > self.num_pages:
             raise ValueError(
@@ -808,7 +831,7 @@ class Engine:
                 for k in range(sampling.n)]
         self.arrivals += 1
         self.requests[request_id] = seqs
-        self.finished_ids.discard(request_id)
+        self.finished_ids.pop(request_id, None)
         self.widths = tuple(np.maximum(self.widths, stopping.needed_widths(
             [sampling.stop_token_ids], [sampling.stop_sequences])))
         if self.state.recent.shape[1] < self.widths[2]:  # longer stop sequences: wider window
@@ -823,8 +846,9 @@ class Engine:
                 self.scheduler.waiting.append(seq)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its pages and slot (finish reason "abort"). Aborting a
-        finished request does nothing; an unknown request_id raises KeyError."""
+        """Stop a request now and free its pages and slot; `step()` returns nothing more for
+        it. Aborting a finished request does nothing; an unknown request_id raises
+        KeyError."""
         if request_id in self.finished_ids:
             return
         if request_id not in self.requests:
@@ -836,14 +860,21 @@ class Engine:
                 self.scheduler.waiting.remove(seq)
             self.scheduler.free(seq)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        self.finished_ids.add(request_id)
+        self._remember_finished(request_id)
+
+    def _remember_finished(self, request_id: str) -> None:
+        self.finished_ids[request_id] = None
+        if len(self.finished_ids) > FINISHED_IDS:
+            self.finished_ids.popitem(last=False)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def stats(self) -> dict:
-        """Counters: pages (total, free, in use), slots, queue lengths, preemptions, prefix
-        cache hits (pages reused) and prefilled tokens (tokens run through prefill)."""
+        """Counters: pages (total, free, in use, cached), slots, queue lengths, preemptions,
+        prefix cache hits (pages reused instead of prefilled: from the prefix cache, and,
+        with caching on or off, between the n samples of one request) and prefilled tokens
+        (tokens run through prefill)."""
         s = self.scheduler
         return {"total_pages": self.num_pages, "free_pages": s.pool.num_free(),
                 "pages_in_use": self.num_pages - s.pool.num_free(),
@@ -885,7 +916,7 @@ class Engine:
         for request_id in [r for r, seqs in self.requests.items()
                            if all(q.status == Status.FINISHED for q in seqs)]:
             del self.requests[request_id]
-            self.finished_ids.add(request_id)
+            self._remember_finished(request_id)
         return outputs
 
     def _decode(self, running: list[Sequence]) -> list[RequestOutput]:

@@ -177,9 +177,10 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(config, params):
     engine.add_request("ok", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=10))
     with pytest.raises(ValueError, match=r"request_id 'ok' is already in the engine"):
         engine.add_request("ok", [4], SamplingParams())
-    with pytest.raises(ValueError, match=r"prompt 0 is empty"):
+    with pytest.raises(ValueError, match=r"request 'empty': the prompt is \[\]; a prompt is a "
+                                         r"non-empty list of token ids"):
         engine.add_request("empty", [], SamplingParams())
-    with pytest.raises(ValueError, match=r"token id 64 is outside \[0, 64\)"):
+    with pytest.raises(ValueError, match=r"request 'oov': token id 64 is outside \[0, 64\)"):
         engine.add_request("oov", [1, 64], SamplingParams())
     with pytest.raises(ValueError, match=r"prompt length 40 \+ max_new_tokens 20 needs 8 pages "
                                          r"of 8 tokens, but the page pool has 6"):
@@ -196,5 +197,11 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(config, params):
                                                                    max_new_tokens=10))
     assert finals[("ok", 0)].token_ids == ref.tokens
     engine.abort("ok")  # finished: nothing happens
-    with pytest.raises(ValueError, match=r"Engine max_slots must be an int >= 1, got 0"):
-        Engine(params, config, max_slots=0)
+    for bad in ({"max_slots": 0}, {"max_slots": True}, {"num_pages": 2.5},
+                {"kv_cache_bytes": 0}, {"page_size": -1}):
+        (name, value), = bad.items()
+        with pytest.raises(ValueError, match=rf"Engine {name} must be an int >= 1, got {value}"):
+            Engine(params, config, **bad)
+    with pytest.raises(ValueError, match=r"kv_cache_bytes=100 holds no page; one page of 16 "
+                                         r"tokens takes 8192 bytes"):
+        Engine(params, config, kv_cache_bytes=100)
