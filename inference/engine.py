@@ -186,7 +186,7 @@ def init_state(model, seen_BV, stops, *, n_steps, n_top, pad_id=0) -> DecodeStat
         top_logprobs=jnp.zeros((B, n_steps, n_top), jnp.float32),
         step=jnp.zeros((B,), jnp.int32),
         done=done_B,
-        finish=jnp.where(done_B, stopping.LENGTH, stopping.RUNNING),
+        finish=jnp.where(done_B, stopping.LENGTH, stopping.RUNNING).astype(jnp.int32),  # not weak
         num_tokens=jnp.zeros((B,), jnp.int32),
         recent=jnp.full((B, stops.stop_sequences.shape[-1]), stopping.BEFORE_START, jnp.int32),
         prompt_seen=seen_BV,
@@ -861,6 +861,39 @@ class Engine:
             self.scheduler.free(seq)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
         self._remember_finished(request_id)
+
+    def warmup(self) -> int:
+        """Compile every program `step()` can run (each prefill shape the scheduler can form
+        and each decode batch size) with nothing in the engine, so none compiles while
+        requests wait. Returns how many programs it compiled. Raises RuntimeError when the
+        engine holds requests."""
+        if self.requests:
+            raise RuntimeError("warm the Engine up before adding requests")
+        before = sum(compile_counts().values())
+        budget, V, M = self.scheduler.max_prefill_tokens, self.config.vocab_size, \
+            self.state.recent.shape[1]
+        rows, stops = self._row_arrays()
+        table = jnp.asarray(self.scheduler.page_table)
+        T = MIN_PROMPT_BUCKET
+        while T <= bucket(budget, MIN_PROMPT_BUCKET):
+            R = 1
+            while R <= bucket(self.max_slots) and (R == 1 or R * T <= max(budget, T)):
+                zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+                batch = PrefillBatch(*map(jnp.asarray, (
+                    zeros(R, T), zeros(R), zeros(R), np.full(R, self.max_slots, np.int32),
+                    zeros(R, dtype=bool), zeros(R), np.full((R, M), stopping.BEFORE_START, np.int32),
+                    zeros(R, V, dtype=bool), zeros(R, V))))  # padding rows: no effect
+                self.state = engine_prefill(self.params, self.config, self.state, table, batch,
+                                            rows, stops, pad_id=0)
+                R *= 2
+            T *= 2
+        live = jnp.zeros((self.max_slots,), bool)
+        for n_rows in sorted({min(self.max_slots, bucket(k))
+                              for k in range(1, self.max_slots + 1)}):
+            self.state = engine_decode(self.params, self.config, self.state, table, live, rows,
+                                       stops, n_rows=n_rows, pad_id=0)
+        jax.block_until_ready(self.state)
+        return sum(compile_counts().values()) - before
 
     def _remember_finished(self, request_id: str) -> None:
         self.finished_ids[request_id] = None

@@ -172,6 +172,18 @@ def test_a_random_workload_compiles_at_most_12_programs(config, params):
     assert 2 <= compiled <= 12, (before, after)
 
 
+def test_after_warmup_serving_compiles_nothing(config, params):
+    rng = np.random.default_rng(5)
+    engine = Engine(params, config, max_slots=4, max_prefill_tokens=32)
+    engine.warmup()
+    before = compile_counts()
+    run_engine(engine, random_requests(config, rng, 24, text=False), rng)
+    assert compile_counts() == before
+    with pytest.raises(RuntimeError, match="before adding requests"):
+        engine.add_request("x", [1], SamplingParams(max_new_tokens=30))
+        engine.warmup()
+
+
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(config, params):
     engine = Engine(params, config, max_slots=2, num_pages=6, page_size=8)
     engine.add_request("ok", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=10))
