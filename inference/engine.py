@@ -414,14 +414,6 @@ def _expand_sampling(prompts, sampling) -> list[SamplingParams]:
     return sampling
 
 
-def length_groups(lengths: list[int], max_batch_size: int) -> list[list[int]]:
-    """Indices of requests grouped by length: sorted by (length, index), cut into batches of
-    at most `max_batch_size`. Neighbours in length share prompt buckets, so a batch pads
-    little and its compiled programs are reused by the next."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    return [order[i: i + max_batch_size] for i in range(0, len(order), max_batch_size)]
-
-
 def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
     """Check every request before any work starts. Returns `(prompts, sampling)` lists.
 

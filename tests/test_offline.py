@@ -1,18 +1,11 @@
-"""Offline generation of many prompts: grouped by length into bounded batches, returned in
-input order, each result equal to the prompt run alone."""
+"""Offline generation of many prompts through the engine with few slots: returned in input
+order, each result equal to the prompt run alone."""
 
 import pytest
 
 from gpt_jax import CharTokenizer
 from inference import SamplingParams
-from inference.engine import length_groups
 from inference.llm import LLM
-
-
-def test_length_groups_sort_by_length_and_cap_the_batch():
-    assert length_groups([5, 1, 9, 1, 3], 2) == [[1, 3], [4, 0], [2]]
-    assert length_groups([4, 4, 4], 8) == [[0, 1, 2]]
-    assert length_groups([], 3) == []
 
 
 def test_many_prompts_come_back_in_input_order(config, params):
