@@ -47,16 +47,6 @@ class PagedKVCache:
     def num_pages(self) -> int:
         return self.k[0].shape[0]
 
-    @property
-    def batch_size(self) -> int:
-        """B, decode slots."""
-        return self.page_table.shape[0]
-
-    @property
-    def capacity(self) -> int:
-        """Token slots a page table row can address: max_pages x P."""
-        return self.page_table.shape[1] * self.page_size
-
 
 # vmap axes for a PagedKVCache whose slots are mapped over: the pools are shared (unmapped).
 CACHE_ROW_AXES = PagedKVCache(k=None, v=None, page_table=0, lengths=0, overflow=0)
