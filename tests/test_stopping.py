@@ -109,3 +109,43 @@ def test_find_stop_picks_the_first_completed_stop_string(text, stops, expected):
 ])
 def test_held_back_is_the_longest_tail_that_may_start_a_stop_string(text, stops, expected):
     assert stopping.held_back(text, stops) == expected
+
+
+CANDIDATES = [[3, 4, 5], [8, 1, 9], [20, 21, 22], [40, 2, 7], [11, 50, 33]]  # the first that fits
+
+
+@pytest.mark.parametrize("run", ["generate", "engine"])
+def test_eos_on_the_last_allowed_step_reports_eos_not_length(config, params, run):
+    """Fault: checking the length limit before EOS. With max_new_tokens=3 and the third
+    greedy token as the EOS id, the row ends on its last allowed step *because* of the EOS."""
+    outputs = engine.generate(params, config, CANDIDATES,
+                              SamplingParams(temperature=0.0, max_new_tokens=3))
+    prompt, ref = next((p, o) for p, o in zip(CANDIDATES, outputs)
+                       if o.tokens[2] not in o.tokens[:2])
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=3, stop_token_ids=[ref.tokens[2]])
+    out = _run_one(params, config, prompt, sampling, run)
+    assert out == (ref.tokens, "eos")
+
+
+@pytest.mark.parametrize("run", ["generate", "engine"])
+def test_stop_sequence_completed_on_the_last_allowed_step_reports_stop_and_cuts(
+        config, params, run):
+    outputs = engine.generate(params, config, CANDIDATES,
+                              SamplingParams(temperature=0.0, max_new_tokens=4))
+    prompt, g = next((p, o.tokens) for p, o in zip(CANDIDATES, outputs)
+                     if o.tokens[2:4] not in (o.tokens[0:2], o.tokens[1:3]))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=4, stop_sequences=[g[2:4]])
+    assert _run_one(params, config, prompt, sampling, run) == (g[:2], "stop")
+
+
+def _run_one(params, config, prompt, sampling, run):
+    """`(tokens, finish_reason)` of one request through `generate` or the serving Engine."""
+    if run == "generate":
+        (out,) = engine.generate(params, config, [prompt], sampling)
+        return out.tokens, out.finish_reason
+    eng = engine.Engine(params, config, max_slots=2)
+    eng.add_request("r", prompt, sampling)
+    final = None
+    while eng.has_unfinished_requests():
+        final = next((o for o in eng.step() if o.finished), final)
+    return final.token_ids, final.finish_reason
