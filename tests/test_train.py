@@ -167,6 +167,24 @@ def _one_step(cfg, config, x, y, optimizer, compute_dtype=jnp.float32):
     return step(params, optimizer.init(params), x, y)
 
 
+def test_loss_is_next_token_cross_entropy_at_every_position():
+    """Fault: targets shifted by one more position (logits[:, :-1] against y[:, 1:]) still
+    learns, so only the exact value catches it. The train step reports the same loss."""
+    config = GPTConfig.preset("tiny")
+    params = init_params(config, jax.random.key(0))
+    x = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8)).astype(np.int32)
+    y = np.roll(x, -1, axis=1)
+    expected = optax.softmax_cross_entropy_with_integer_labels(forward(params, x, config), y)
+    loss = T.loss_fn(params, config, x, y)
+    assert_close(loss, expected.mean(), 1e-5, "loss")
+    y_first_changed = y.copy()
+    y_first_changed[:, 0] = (y[:, 0] + 1) % config.vocab_size
+    assert abs(float(T.loss_fn(params, config, x, y_first_changed)) - float(loss)) > 1e-4
+    _, _, step_loss = _one_step(T.TrainConfig.preset("tiny"), config, x[None], y[None],
+                                optax.sgd(0.0))
+    assert_close(step_loss, expected.mean(), 1e-5, "train step loss")
+
+
 def test_gradient_accumulation_equals_one_big_batch():
     config = GPTConfig.preset("tiny")
     rng = np.random.default_rng(0)
