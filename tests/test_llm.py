@@ -10,6 +10,7 @@ import pytest
 
 from conftest import lively_params
 from inference import cli, engine
+from gpt_jax.tokenizer import CharTokenizer
 from inference.llm import LLM
 from inference.sampling import SamplingParams
 
@@ -221,3 +222,30 @@ def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
         cli.main(["--top-p", "1.5"])
     with pytest.raises(SystemExit):
         cli.main(["--top-q", "0.5"])  # unknown option: argparse exits
+
+
+def test_an_eos_ending_keeps_the_eos_token_but_not_its_text(config, params, monkeypatch,
+                                                              capsys):
+    """Fault: the EOS token's text left in the completion's text. With a character
+    tokenizer, the 5th greedy token is made the EOS id: the text is the decoding of the
+    tokens before it, through generate, stream and the CLI."""
+    chars = CharTokenizer(list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 \n"))
+    llm = LLM(params, config, chars)
+    prompt = next(p for p in ("Romeo", "Juliet", "Tybalt", "Mercutio 1")
+                  if len(set(llm.generate([p], SamplingParams(temperature=0.0, max_new_tokens=5),
+                                          progress=False)[0].tokens)) == 5)
+    greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=5),
+                          progress=False)[0].tokens
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=[greedy[4]])
+    (out,) = llm.generate([prompt], sampling, progress=False)
+    assert out.tokens == greedy and out.finish_reason == "eos"
+    assert out.text == chars.decode(greedy[:4])
+    deltas = list(llm.stream([prompt], sampling))
+    assert "".join(d.text for d in deltas) == out.text
+    assert dataclasses.replace(deltas[-1].completion, seed=out.seed) == out  # unseeded: new seed
+
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
+    cli.main(["--prompt", prompt, "--temperature", "0", "--max-new-tokens", "20",
+              "--stop-token-id", str(greedy[4]), "--json"])
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["text"], row["tokens"], row["finish_reason"]) == (out.text, greedy, "eos")
