@@ -220,12 +220,14 @@ def min_p_keep(sorted_probs_BV, min_p_B):
 
 def keep_sorted(sorted_logits_BV, top_k_B, top_p_B, min_p_B):
     """bool `[B, V]` over logits sorted in descending order: top-k, then top-p on the
-    renormalized top-k distribution, then min-p. Each keeps a prefix, so their AND does."""
+    renormalized top-k distribution, then min-p. Each keeps a prefix, so their AND does; the
+    first (most likely) token is always kept, so no setting empties a row."""
     V = sorted_logits_BV.shape[-1]
     k_B1 = jnp.where((top_k_B <= 0) | (top_k_B > V), V, top_k_B)[:, None]
     in_top_k_BV = jnp.arange(V)[None, :] < k_B1
     probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_logits_BV, -jnp.inf), axis=-1)
-    return in_top_k_BV & top_p_keep(probs_BV, top_p_B) & min_p_keep(probs_BV, min_p_B)
+    keep_BV = in_top_k_BV & top_p_keep(probs_BV, top_p_B) & min_p_keep(probs_BV, min_p_B)
+    return keep_BV.at[:, 0].set(True)
 
 
 def filter_logits(logits_BV, top_k_B, top_p_B, min_p_B):

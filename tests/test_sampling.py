@@ -202,6 +202,22 @@ def test_g13_repetition_once_frequency_per_occurrence():
     assert_close(out, [[2.0 / 2 - 0.5 - 3 * 0.25, -2.0, 0.5, -1.0]], 1e-6, "penalized logits")
 
 
+def test_presence_and_frequency_count_the_output_only_repetition_the_prompt_too():
+    """Fault: presence penalty applied to prompt tokens. Token 0 seen in the prompt only,
+    nothing generated yet: presence and frequency leave the logits alone (OpenAI's penalties
+    count generated tokens), repetition penalizes it (Keskar et al. / HF count the prompt)."""
+    prompt_only = ([True, False, False, False], [0, 0, 0, 0])
+    assert_close(penalize(*prompt_only, presence=0.5), G13_LOGITS, 0.0, "presence, prompt only")
+    assert_close(penalize(*prompt_only, frequency=0.5), G13_LOGITS, 0.0, "frequency, prompt only")
+    assert_close(penalize(*prompt_only, repetition=2.0), [[1.0, -2.0, 0.5, -1.0]], 0.0,
+                 "repetition, prompt only")
+    output_only = ([False] * 4, [0, 2, 0, 0])  # and each counts the output
+    assert_close(penalize(*output_only, presence=0.5), [[2.0, -2.5, 0.5, -1.0]], 0.0, "presence")
+    assert_close(penalize(*output_only, frequency=0.5), [[2.0, -3.0, 0.5, -1.0]], 0.0, "frequency")
+    assert_close(penalize(*output_only, repetition=2.0), [[2.0, -4.0, 0.5, -1.0]], 0.0,
+                 "repetition")
+
+
 # ----------------------------------------------------------------------------------- G20
 
 
@@ -210,6 +226,19 @@ def test_g20_min_p_threshold_relative_to_the_top_token():
     assert min_p_keep(probs, jnp.array([0.2]))[0].tolist() == [True, True, False, False, False]
     assert min_p_keep(probs, jnp.array([0.0]))[0].all()
     assert kept(np.log([0.09, 0.5, 0.05, 0.3, 0.06]), min_p=0.2) == {1, 3}
+    # relative to the largest (0.4), not to the sum (1): a threshold of 0.2, not 0.5
+    assert min_p_keep(jnp.array([[0.4, 0.3, 0.2, 0.1]]), jnp.array([0.5]))[0].tolist() == \
+        [True, True, True, False]
+    assert kept(np.log([0.525, 0.475, 1e-9, 1e-9]), min_p=0.5) == {0, 1}
+
+
+def test_filters_never_empty_a_row():
+    """The most likely token survives every filter at its most severe setting, so a
+    too-strict filter cannot leave a row with nothing to draw from."""
+    logits = [0.3, 2.0, 1.9, -1.0]
+    for options in (dict(min_p=1.0), dict(top_p=0.0), dict(top_k=1),
+                    dict(top_k=1, top_p=0.0, min_p=1.0)):
+        assert kept(logits, **options) == {1}, options
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
