@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, lively_params
-from gpt_jax import GPTConfig, init_cache
+from gpt_jax import GPTConfig, forward, init_cache
 from inference.engine import decode_step, generate, prefill
 from inference.llm import LLM
 from inference.sampling import SamplingParams
@@ -56,10 +56,20 @@ def test_bfloat16_greedy_tokens_mostly_equal_float32():
     want = generate(params, CONFIG, prompts, greedy)
     got = LLM(params, CONFIG, Chars(), dtype="bfloat16").generate(
         [Chars().decode(p) for p in prompts], greedy, progress=False)
-    # Rounding can flip a near-tie, after which a sequence goes its own way: compare the first
-    # tokens, where no earlier flip can have steered it.
-    first = [(w.tokens[0], g.tokens[0]) for w, g in zip(want, got)]
-    assert all(a == b for a, b in first), first
+    # Rounding can flip a near-tie, after which a sequence goes its own way: the runs must
+    # agree up to their first difference, and there float32 must be nearly tied between the
+    # two tokens (within the logit error bound of the test above).
+    agreed = 0
+    for prompt, w, g in zip(prompts, want, got):
+        i = next((i for i, (a, b) in enumerate(zip(w.tokens, g.tokens)) if a != b), None)
+        if i is None:
+            assert w.tokens == g.tokens
+            agreed += 1
+            continue
+        logits = np.asarray(forward(params, jnp.asarray([prompt + w.tokens[:i]]), CONFIG))[0, -1]
+        gap = logits[w.tokens[i]] - logits[g.tokens[i]]
+        assert 0 <= gap <= 0.05 * np.abs(logits).max(), (prompt, i, gap)
+    assert agreed >= 2, f"only {agreed} of 3 greedy runs equal"
 
 
 def test_unknown_dtype_is_refused_and_a_dtype_object_is_taken_as_its_name():

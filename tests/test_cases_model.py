@@ -73,6 +73,10 @@ def test_g01_positions_follow_each_rows_own_padding(config, params, padding_side
         assert_lively(solo_tokens, 5)
         assert_close(logits[row], solo_logits, 1e-5, f"row {row} prefill logits vs alone")
         assert tokens[row].tolist() == solo_tokens, f"row {row}: batched != alone"
+    # The public decode_step is the decode path generate's loop runs (`engine._decode`):
+    # its batched, padded run gives the same tokens.
+    looped = generate(params, config, [a, b], SamplingParams(temperature=0.0, max_new_tokens=10))
+    assert [o.tokens for o in looped] == tokens.tolist()
     # Every decode step equals the full causal forward at that position (one right-padded
     # batch: padding after a sequence cannot change its causal logits).
     seqs = [prompt + tokens[row].tolist() for row, prompt in enumerate((a, b))]

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import assert_close
 from gpt_jax import GPTConfig, forward, init_params
-from gpt_jax.model import OutputMajor, attend, decode_layout
+from gpt_jax.model import OutputMajor, attend, decode_layout, layer_norm
 from inference import decode_step, init_cache, prefill
 
 
@@ -56,6 +56,9 @@ def test_decode_layout_gives_the_same_logits(config, params, prompt):
 
 
 def test_jitted_steps_equal_unjitted(config, params):
+    """Compiled and eager runs of the same code agree (XLA's fusions change nothing that
+    matters). It compares the code with itself, so it proves nothing about the math; the
+    tests against `forward`, a naive recomputation and Hugging Face's GPT-2 do that."""
     tokens = jnp.asarray([[3, 4, 5, 6], [7, 8, 0, 0]], jnp.int32)
     lengths = jnp.array([4, 2])
 
@@ -70,6 +73,16 @@ def test_jitted_steps_equal_unjitted(config, params):
         eager = run()
     for a, b in zip(jitted, eager):
         assert_close(a, b, 1e-5, "jit vs no-jit logits")
+
+
+def test_layer_norm_uses_its_epsilon_and_a_constant_row_gives_the_bias():
+    """Without eps, [0, 2e-3] would normalize to +-1; with eps 1e-5 the variance 1e-6 is
+    swamped: (x - mean) / sqrt(1e-6 + 1e-5) = +-1e-3 / 3.317e-3 = +-0.3015."""
+    p = {"scale": jnp.ones(2), "bias": jnp.array([0.25, -0.5])}
+    out = layer_norm(p, jnp.array([[0.0, 2e-3]]), 1e-5)
+    assert_close(out, [[-0.3015 + 0.25, 0.3015 - 0.5]], 1e-4, "layer_norm")
+    constant = layer_norm(p, jnp.full((1, 2), 7.0), 1e-5)
+    assert_close(constant, [[0.25, -0.5]], 1e-6, "constant row")
 
 
 def test_fully_masked_attention_row_is_zero_not_nan():
