@@ -10,7 +10,8 @@ slots, page by page through the row's page table. On GPU and TPU the XLA path ru
 The kernel is compiled from source on first use (about 5 s on an idle 2-core machine) with
 the C++ compiler (`$CXX`, default `g++`) against the FFI headers jaxlib ships
 (`jax.ffi.include_dir()`), and cached under `$XDG_CACHE_HOME/gpt-jax` (default
-`~/.cache/gpt-jax`) per source, jaxlib version and CPU.
+`~/.cache/gpt-jax`) per source, jaxlib version, compiler (command and `--version`) and CPU.
+Builds are serialized by a lock file and bounded in time (`build`).
 If it cannot be built, a warning says why and the XLA path runs; `GPT_JAX_CPU_KERNEL=0`
 turns it off.
 """
@@ -24,9 +25,11 @@ import os
 import platform
 import shlex
 import subprocess
+import threading
 import warnings
 from pathlib import Path
 
+import filelock
 import jax
 import jax.numpy as jnp
 import jaxlib
@@ -37,6 +40,7 @@ SWITCH = "GPT_JAX_CPU_KERNEL"  # "0": never build or use the kernel
 # -march=native: built on the machine that runs it (the CPU is part of the cache key);
 # -fopenmp-simd: vectorise the dot-product reductions without -ffast-math.
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 300.0  # most seconds a build (or waiting for another's) may take
 
 
 def _cpu_id() -> str:
@@ -49,32 +53,63 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def library_path() -> Path:
-    """Where the built kernel for this source, jaxlib and CPU lives (it may not exist yet)."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, " ".join(FLAGS),
-                                    platform.machine(), _cpu_id()]).encode()).hexdigest()[:16]
+def compiler() -> list[str]:
+    """The C++ compiler command: `$CXX` (may carry arguments: "ccache g++"), default g++."""
+    return shlex.split(os.environ.get("CXX") or "g++")
+
+
+def _compiler_id(command: list[str]) -> str:
+    """The compiler's own `--version` text (a different compiler or version builds anew).
+    Raises OSError when there is no such compiler, subprocess.TimeoutExpired past 60 s."""
+    try:
+        return subprocess.run([*command, "--version"], capture_output=True, text=True,
+                              timeout=60).stdout
+    except FileNotFoundError as e:
+        raise OSError(f"no C++ compiler {shlex.join(command)!r}: {e}") from e
+
+
+def library_path(command: list[str] | None = None) -> Path:
+    """Where the built kernel for this source, jaxlib, compiler and CPU lives (it may not
+    exist yet). Raises OSError when the compiler is missing."""
+    command = compiler() if command is None else command
+    key = hashlib.sha256("\0".join([
+        SOURCE.read_text(), jaxlib.__version__, " ".join(FLAGS), shlex.join(command),
+        _compiler_id(command), platform.machine(), _cpu_id()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-jax"
     return cache / f"cpu_attention-{key}.so"
 
 
-def build() -> Path:
+def build(timeout: float = BUILD_TIMEOUT_S) -> Path:
     """Compile the kernel unless already built. Returns the shared library's path.
 
-    The library is written under a temporary name and renamed into place, so a killed or
-    concurrent build never leaves a half-written one.
+    One build at a time per library, across threads and processes: a lock file beside it
+    (`filelock`) is held while checking and compiling, so a second caller waits and then
+    finds the library built. The library is written under a name unique to the process and
+    thread and renamed into place, so a killed build never leaves a half-written one.
 
     Raises:
       OSError: no compiler, or the cache directory is not writable.
       subprocess.CalledProcessError: the compiler failed (its output in `.stderr`).
+      subprocess.TimeoutExpired: the compiler ran past `timeout` seconds (it is killed), or
+        another build held the lock that long.
     """
-    path = library_path()
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        compiler = shlex.split(os.environ.get("CXX") or "g++")  # may carry args: "ccache g++"
-        subprocess.run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE),
-                        "-o", str(partial)], check=True, capture_output=True, text=True)
-        os.replace(partial, path)
+    command = compiler()
+    path = library_path(command)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with filelock.FileLock(f"{path}.lock", timeout=timeout):
+            if not path.exists():
+                partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}"
+                                         ".partial")
+                try:
+                    subprocess.run([*command, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE),
+                                    "-o", str(partial)], check=True, capture_output=True,
+                                   text=True, timeout=timeout)
+                    os.replace(partial, path)
+                finally:
+                    partial.unlink(missing_ok=True)
+    except filelock.Timeout as e:
+        raise subprocess.TimeoutExpired(f"lock {e.lock_file}", timeout) from e
     return path
 
 
@@ -87,6 +122,10 @@ def available() -> bool:
         return False
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
+    except subprocess.TimeoutExpired as e:
+        warnings.warn(f"gpt-jax CPU attention kernel build timed out (using XLA's attention "
+                      f"instead): {e}", RuntimeWarning, stacklevel=2)
+        return False
     except subprocess.CalledProcessError as e:
         warnings.warn(f"gpt-jax CPU attention kernel did not compile (using XLA's attention "
                       f"instead): `{shlex.join(e.cmd)}` exited with {e.returncode}: "

@@ -3,7 +3,13 @@ their own lengths and page tables into one shared pool equals full attention row
 (output and log-sum-exp), it never reads a slot past a row's length nor a page outside its
 table, and a kernel that cannot be built leaves the XLA path running, with a warning."""
 
+import os
+import stat
+import subprocess
+import sys
+import threading
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +97,8 @@ def test_a_kernel_that_does_not_compile_warns_and_is_not_used(monkeypatch, tmp_p
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
     with pytest.warns(RuntimeWarning, match="did not compile .*`false -O3 .* exited with 1"):
         assert cpu_attention.available.__wrapped__() is False  # uncached: build again
-    assert list((tmp_path / "gpt-jax").iterdir()) == []  # no library, whole or partial
+    built = [p.name for p in (tmp_path / "gpt-jax").iterdir() if p.suffix != ".lock"]
+    assert built == []  # no library, whole or partial
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.warns(RuntimeWarning, match="CPU attention kernel unavailable"):
         assert cpu_attention.available.__wrapped__() is False
@@ -104,3 +111,55 @@ def test_the_kernel_can_be_switched_off(monkeypatch, tmp_path):
         warnings.simplefilter("error")
         assert cpu_attention.available.__wrapped__() is False
     assert not (tmp_path / "gpt-jax").exists()  # nothing built
+
+
+def _logging_compiler(tmp_path, sleep=0):
+    """A `$CXX` that logs each compile to `log` (not `--version` calls), sleeps, then runs g++."""
+    log, script = tmp_path / "compiles.log", tmp_path / "cxx"
+    script.write_text(f"""#!/bin/sh
+[ "$1" = --version ] || {{ echo $$ >> {log}; sleep {sleep}; }}
+exec g++ "$@"
+""")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script), log
+
+
+def test_concurrent_builds_compile_once_and_all_get_the_library(monkeypatch, tmp_path):
+    """Four threads and another process build at once: one compiler run, one library, no
+    partial file left (a lock file serializes them)."""
+    cxx, log = _logging_compiler(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", cxx)
+    other = subprocess.Popen([sys.executable, "-c", "from gpt_jax import cpu_attention as c; "
+                              "print(c.build())"], stdout=subprocess.PIPE, text=True,
+                             env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    paths, errors = [], []
+
+    def one():
+        try:
+            paths.append(cpu_attention.build())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(set(paths)) == 1
+    assert Path(other.communicate(timeout=120)[0].strip()) == paths[0]
+    assert len(log.read_text().split()) == 1, "the kernel was compiled more than once"
+    leftovers = [p.name for p in paths[0].parent.iterdir() if p.name.endswith(".partial")]
+    assert paths[0].exists() and leftovers == []
+
+
+def test_a_hung_compiler_is_stopped_and_another_compiler_builds_its_own(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    slow, _ = _logging_compiler(tmp_path, sleep=30)
+    monkeypatch.setenv("CXX", slow)
+    with pytest.raises(subprocess.TimeoutExpired):
+        cpu_attention.build(timeout=1)
+    assert not any(p.name.endswith((".so", ".partial")) for p in (tmp_path / "gpt-jax").iterdir())
+    assert cpu_attention.library_path([slow]) != cpu_attention.library_path(["g++"])
+    monkeypatch.setenv("CXX", "g++ -DGPT_JAX_OTHER")  # same compiler, other arguments
+    assert cpu_attention.library_path() != cpu_attention.library_path(["g++"])
