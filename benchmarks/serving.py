@@ -186,7 +186,7 @@ def prefix(args, params, config):
 def long_prompt(args, params, config):
     rng = np.random.default_rng(args.seed)
     rows = []
-    for budget in sorted({128, args.max_prefill_tokens, 1024}):
+    for budget in sorted({64, 128, args.max_prefill_tokens, 1024}):
         for timed in (False, True):  # the first run compiles
             engine = Engine(params, config, max_slots=args.max_slots, max_prefill_tokens=budget)
             for i in range(16):
@@ -263,7 +263,7 @@ def main(argv=None) -> None:
     p.add_argument("--out-min", type=int, default=16)
     p.add_argument("--out-max", type=int, default=128)
     p.add_argument("--max-slots", type=int, default=32)
-    p.add_argument("--max-prefill-tokens", type=int, default=256)
+    p.add_argument("--max-prefill-tokens", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -609,6 +609,17 @@ def engine_prefill(params, config, state: DecodeState, page_table, batch: Prefil
     return sample_and_record(state, logits_BV, inserted_B, rows, stops, pad_id)
 
 
+def decode_rows(n: int, max_slots: int) -> int:
+    """Rows a decode chunk runs to cover slots 0..n-1: powers of two up to 8, then halfway
+    steps (12, 16, 24, 32, 48, ...), at most `max_slots`. Halfway steps keep a 17th request
+    from doubling the step of 16 (a gpt2 step at 32 rows took 1.5x one at 16, at 24 1.3x)
+    for two programs per doubling."""
+    if n <= 8:
+        return min(max_slots, bucket(n))
+    half = bucket(n) // 2
+    return min(max_slots, -(-n // (half // 2)) * (half // 2))
+
+
 def _first_rows(state: DecodeState, n: int) -> DecodeState:
     """Decode rows 0..n-1 of `state` (the cache pools stay whole: they are shared)."""
     first = lambda x: x[:n]  # noqa: E731
@@ -717,7 +728,10 @@ class Engine:
       page_size: token slots per page.
       cache_dtype: "float32" or "bfloat16" (weights are cast to it too, as in `LLM`).
       prefix_caching: share full prompt pages between requests (automatic prefix caching).
-      max_prefill_tokens: most prompt tokens prefilled per step (the chunk budget).
+      max_prefill_tokens: most prompt tokens prefilled per step (the chunk budget). A
+        prefill step stalls the running requests once; 128 keeps that stall below one
+        decode chunk at gpt2 shape on 2 CPU cores (128 tokens ~0.25 s, a chunk of 8 steps
+        at 16 rows ~0.4 s) while prefilling as fast per token as 256 within 10%.
     Raises:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
@@ -728,7 +742,7 @@ class Engine:
     def __init__(self, params, config: GPTConfig, tokenizer=None, *, max_slots: int = 16,
                  num_pages: int | None = None, kv_cache_bytes: int | None = None,
                  page_size: int = PAGE_SIZE, cache_dtype="float32", prefix_caching: bool = True,
-                 max_prefill_tokens: int = 256):
+                 max_prefill_tokens: int = 128):
         sizes = dict(max_slots=max_slots, page_size=page_size,
                      max_prefill_tokens=max_prefill_tokens, num_pages=num_pages,
                      kv_cache_bytes=kv_cache_bytes)
@@ -880,7 +894,7 @@ class Engine:
                 R *= 2
             T *= 2
         live = jnp.zeros((self.max_slots,), bool)
-        for n_rows in sorted({min(self.max_slots, bucket(k))
+        for n_rows in sorted({decode_rows(k, self.max_slots)
                               for k in range(1, self.max_slots + 1)}):
             self.state = engine_decode(self.params, self.config, self.state, table, live, rows,
                                        stops, n_rows=n_rows, pad_id=0)
@@ -948,7 +962,7 @@ class Engine:
         """One chunk of decode steps over the first slots, every running one among them."""
         live = np.zeros(self.max_slots, bool)
         live[[q.slot for q in running]] = True
-        n_rows = min(self.max_slots, bucket(max(q.slot for q in running) + 1))
+        n_rows = decode_rows(max(q.slot for q in running) + 1, self.max_slots)
         rows, stops = self._row_arrays()
         self.state = engine_decode(self.params, self.config, self.state,
                                    jnp.asarray(self.scheduler.page_table), jnp.asarray(live),
