@@ -445,6 +445,9 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"prompt {index}: token id {bad[0]} is outside [0, {V})")
+        if sp.logprobs is not None and sp.logprobs > V:
+            raise ValueError(f"prompt {index}: logprobs={sp.logprobs} asks for more "
+                             f"alternatives than the vocabulary has; allowed: [0, {V}]")
         if len(prompt) + sp.max_new_tokens > config.max_seq_len:
             raise ValueError(
                 f"prompt {index}: prompt length {len(prompt)} + max_new_tokens "
@@ -490,7 +493,7 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
         n_real=n_real,
         capacity=capacity,
         n_steps=n_steps,
-        n_top=MAX_LOGPROBS if want_logprobs else 0,
+        n_top=min(MAX_LOGPROBS, config.vocab_size) if want_logprobs else 0,
         forked=n_real > len(prompts),
     )
 
@@ -785,7 +788,7 @@ class Engine:
         self.state = init_state(
             cache, jnp.zeros((B, V), bool),
             stopping.StopArrays.from_lists([0] * B, [()] * B, [()] * B, self.widths),
-            n_steps=config.max_seq_len, n_top=MAX_LOGPROBS)
+            n_steps=config.max_seq_len, n_top=min(MAX_LOGPROBS, config.vocab_size))
         self.last_step_prefilled = False
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests' samples
         # ids of finished requests (aborting one does nothing), the latest FINISHED_IDS kept

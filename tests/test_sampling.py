@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import assert_close, assert_lively
+from conftest import assert_close, assert_lively, lively_params
 from gpt_jax import forward
 from inference import engine, generate
 from inference.sampling import (
@@ -412,3 +412,33 @@ def test_logprobs_are_the_models_raw_log_probabilities(config, params):
         assert_close(list(top.values()), expected[step, best], 1e-5, "top logprobs")
     (plain,) = generate(params, config, [prompt], SamplingParams(max_new_tokens=24, seed=1))
     assert plain.logprobs is None and plain.top_logprobs is None
+
+
+def test_logprobs_on_a_vocabulary_smaller_than_twenty():
+    """Fault: the 20 recorded alternatives were a top_k over a smaller axis (a crash inside
+    tracing). Now at most the vocabulary, and more than it is refused before compiling."""
+    from gpt_jax import GPTConfig
+    from gpt_jax.tokenizer import CharTokenizer
+    from inference import Engine, LLM
+
+    config = GPTConfig(vocab_size=5, max_seq_len=16, n_layers=1, n_heads=1, d_model=8)
+    params = lively_params(config)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4, logprobs=2)
+    (out,) = generate(params, config, [[1, 2]], sp)
+    assert len(out.top_logprobs) == 4 and all(len(t) == 2 for t in out.top_logprobs)
+    assert all(max(t.values()) == pytest.approx(lp, abs=1e-5)  # greedy: the top one
+               for t, lp in zip(out.top_logprobs, out.logprobs))
+    engine = Engine(params, config, max_slots=2)
+    engine.add_request("r", [1, 2], sp)
+    while engine.has_unfinished_requests():
+        final = engine.step()[-1]
+    assert [list(t) for t in final.top_logprobs] == [list(t) for t in out.top_logprobs]
+    assert_close([list(t.values()) for t in final.top_logprobs],
+                 [list(t.values()) for t in out.top_logprobs], 1e-5, "engine top logprobs")
+    llm = LLM(params, config, CharTokenizer(list("ACGT\n")))
+    (text,) = llm.generate(["ACG"], SamplingParams(max_new_tokens=3, logprobs=1, seed=1),
+                           progress=False)
+    assert [len(t) for t in text.top_logprobs] == [1, 1, 1]
+    with pytest.raises(ValueError, match=r"logprobs=6 asks for more alternatives than the "
+                                         r"vocabulary has; allowed: \[0, 5\]"):
+        generate(params, config, [[1, 2]], SamplingParams(logprobs=6, max_new_tokens=2))
