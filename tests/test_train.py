@@ -211,6 +211,19 @@ def test_bfloat16_compute_keeps_float32_master_weights():
     assert float(loss16) != float(loss32)  # it did compute in bfloat16
 
 
+def test_the_first_optimizer_step_moves_the_weights():
+    """Fault: warmup from exactly 0 made step 0 a no-op (a step-1 checkpoint equal to the
+    initial weights). nanoGPT's warmup starts at lr / (warmup + 1)."""
+    config = GPTConfig.preset("tiny")
+    cfg = T.TrainConfig.preset("tiny", warmup_steps=10, grad_clip=0.0)
+    x = np.random.default_rng(0).integers(0, config.vocab_size, (1, 2, 16)).astype(np.int32)
+    moved, _, _ = _one_step(cfg, config, x, np.roll(x, -1, axis=2), T.make_optimizer(cfg))
+    initial = init_params(config, jax.random.key(0))
+    # Adam's first update is lr * sign(gradient) (weight decay adds under 1%): lr / 11
+    step = jnp.abs(moved["wte"] - initial["wte"]).max()
+    assert_close(step, cfg.learning_rate / 11, 0.02 * cfg.learning_rate / 11, "first step")
+
+
 def test_weight_decay_spares_biases_and_layernorm():
     config = GPTConfig.preset("tiny")
     params = init_params(config, jax.random.key(0))

@@ -181,12 +181,14 @@ def split_host(cfg: TrainConfig) -> None:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW (Loshchilov & Hutter 2019) with linear warmup from 0 and cosine decay to
-    `min_learning_rate` at `max_steps` (nanoGPT's schedule), after global-norm clipping.
+    """AdamW (Loshchilov & Hutter 2019) with nanoGPT's schedule: linear warmup
+    `learning_rate * (step + 1) / (warmup_steps + 1)`, so the first step already moves the
+    weights, then cosine decay to `min_learning_rate` at `max_steps`; after global-norm
+    clipping.
     Weight decay applies to the weight matrices and embeddings (names starting with "w"),
     not to biases or LayerNorm parameters, whatever their stacked rank."""
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.max_steps, cfg.warmup_steps + 1),
+        cfg.learning_rate / (cfg.warmup_steps + 1), cfg.learning_rate, cfg.warmup_steps, max(cfg.max_steps, cfg.warmup_steps + 1),
         cfg.min_learning_rate,
     )
 
