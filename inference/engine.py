@@ -50,7 +50,7 @@ from gpt_jax.config import GPTConfig
 from gpt_jax.model import Params, decode_layout, lm_head, transformer
 from gpt_jax.params import check_params
 from inference import stopping
-from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, sample
+from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, prompt_hash, sample
 from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
 
 CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk boundaries
@@ -483,7 +483,9 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
         tokens_PT=tokens,
         lengths_P=lengths,
         source_B=np.array(source + [0] * (B - n_real), np.int32),
-        rows=SamplingArrays.from_params(padded, seeds + [0] * (B - n_real), index + [0] * (B - n_real)),
+        rows=SamplingArrays.from_params(
+            padded, seeds + [0] * (B - n_real), index + [0] * (B - n_real),
+            [prompt_hash(prompts[p]) for p in source] + [0] * (B - n_real)),
         stops=stopping.StopArrays.from_lists(
             [r.max_new_tokens for r in padded], [r.stop_token_ids for r in padded],
             [r.stop_sequences for r in padded],
@@ -836,7 +838,8 @@ class Engine:
                 f"{sampling.max_new_tokens} needs {need} pages of {self.page_size} tokens, but "
                 f"the page pool has {self.num_pages}")
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(32)
-        seqs = [Sequence(request_id, k, prompt, sampling, seed, self.arrivals)
+        seqs = [Sequence(request_id, k, prompt, sampling, seed, prompt_hash(prompt),
+                         self.arrivals)
                 for k in range(sampling.n)]
         self.arrivals += 1
         self.requests[request_id] = seqs
@@ -1003,7 +1006,8 @@ class Engine:
         idle = SamplingParams(max_new_tokens=0)
         params = [q.sampling if q else idle for q in by_slot]
         rows = SamplingArrays.from_params(params, [q.seed if q else 0 for q in by_slot],
-                                          [q.sample_index if q else 0 for q in by_slot])
+                                          [q.sample_index if q else 0 for q in by_slot],
+                                          [q.prompt_hash if q else 0 for q in by_slot])
         stops = stopping.StopArrays.from_lists(
             [p.max_new_tokens for p in params], [p.stop_token_ids for p in params],
             [p.stop_sequences for p in params], self.widths)

@@ -38,6 +38,7 @@ NaN never reaches other rows.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import numbers
 
@@ -65,7 +66,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output
     presence_penalty: float = 0.0  # subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
-    seed: int | None = None  # None: a fresh random seed, reported back in the Completion
+    # None: a fresh random seed, reported back in the Completion. The noise of a row comes
+    # from (seed, a hash of the prompt's tokens, sample index, step): the same seed with the
+    # same prompt repeats exactly, alone or in any batch; with different prompts it draws
+    # independent noise (`prompt_hash`, `row_keys`).
+    seed: int | None = None
     max_new_tokens: int = 16  # most tokens to generate
     stop_token_ids: tuple[int, ...] = ()  # EOS ids: generation ends after emitting one
     stop: tuple[str, ...] = ()  # stop strings: output is cut before the first one found
@@ -144,11 +149,13 @@ class SamplingArrays:
     presence_penalty: jax.Array  # [B] float32, 0 = off
     frequency_penalty: jax.Array  # [B] float32, 0 = off
     seed: jax.Array  # [B] uint32, the request's seed
+    prompt_hash: jax.Array  # [B] uint32, `prompt_hash` of the request's prompt
     sample_index: jax.Array  # [B] int32, which of the request's n samples this row is
     logprobs: jax.Array  # [B] int32, alternatives to record per token; -1 = no log-probs
 
     @classmethod
-    def from_params(cls, rows: list[SamplingParams], seeds: list[int], sample_index: list[int]):
+    def from_params(cls, rows: list[SamplingParams], seeds: list[int], sample_index: list[int],
+                    prompt_hashes: list[int]):
         def col(name, dtype):
             return jnp.asarray(np.array([getattr(r, name) for r in rows], dtype))
 
@@ -161,6 +168,7 @@ class SamplingArrays:
             presence_penalty=col("presence_penalty", np.float32),
             frequency_penalty=col("frequency_penalty", np.float32),
             seed=jnp.asarray(np.array(seeds, np.uint32)),
+            prompt_hash=jnp.asarray(np.array(prompt_hashes, np.uint32)),
             sample_index=jnp.asarray(np.array(sample_index, np.int32)),
             logprobs=jnp.asarray(np.array([-1 if r.logprobs is None else r.logprobs
                                            for r in rows], np.int32)),
@@ -246,15 +254,24 @@ def filter_logits(logits_BV, top_k_B, top_p_B, min_p_B):
     return jnp.where(keep_BV, logits_BV, -jnp.inf)
 
 
-def row_keys(seed_B, sample_index_B, step_B):
-    """The PRNG key of each row at one step: from the request's own seed, its sample index and
-    the row's step (a scalar for all rows, or `[B]`), never from the row's position in the
-    batch or the moment it joined it."""
+def prompt_hash(tokens) -> int:
+    """A 32-bit hash of a prompt's token ids (BLAKE2b), mixed into its rows' keys so one
+    seed given to different prompts does not give them the same noise."""
+    digest = hashlib.blake2b(np.asarray(tokens, np.int64).tobytes(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
-    def one(seed, index, step):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), step)
 
-    return jax.vmap(one)(seed_B, sample_index_B, jnp.broadcast_to(step_B, seed_B.shape))
+def row_keys(seed_B, prompt_hash_B, sample_index_B, step_B):
+    """The PRNG key of each row at one step: from the request's own seed, its prompt's hash,
+    its sample index and the row's step (a scalar for all rows, or `[B]`), never from the
+    row's position in the batch or the moment it joined it."""
+
+    def one(seed, prompt, index, step):
+        key = jax.random.fold_in(jax.random.key(seed), prompt)
+        return jax.random.fold_in(jax.random.fold_in(key, index), step)
+
+    return jax.vmap(one)(seed_B, prompt_hash_B, sample_index_B,
+                         jnp.broadcast_to(step_B, seed_B.shape))
 
 
 def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, step, pad_id=0):
@@ -300,7 +317,7 @@ def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, st
             lambda x: x,
             scaled_BV,
         )
-        keys_B = row_keys(rows.seed, rows.sample_index, step)
+        keys_B = row_keys(rows.seed, rows.prompt_hash, rows.sample_index, step)
         return jax.vmap(jax.random.categorical)(keys_B, scaled_BV).astype(jnp.int32)
 
     # An all-greedy batch draws no random numbers: the [B, V] Gumbel noise cost as much as

@@ -107,6 +107,7 @@ class Sequence:
     prompt: list[int]
     sampling: SamplingParams
     seed: int
+    prompt_hash: int  # `inference.sampling.prompt_hash(prompt)`, mixed into the row's keys
     arrival: int  # order of add_request, for first-come first-served
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)

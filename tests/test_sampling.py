@@ -23,7 +23,7 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 
 def arrays(*params, seeds=None):
     seeds = seeds or [7] * len(params)
-    return SamplingArrays.from_params(list(params), seeds, [0] * len(params))
+    return SamplingArrays.from_params(list(params), seeds, [0] * len(params), [0] * len(params))
 
 
 @functools.partial(jax.jit, static_argnames=("n_draws", "pad_id"))
@@ -365,6 +365,26 @@ def test_n_samples_share_one_prefill_and_differ(config, params):
     again = engine.generate(params, config, [[1, 2], [4, 5, 6, 7]],
                             [SamplingParams(temperature=0.5, max_new_tokens=12), sampling])
     assert [o.tokens for o in again[1:]] == [o.tokens for o in outs]
+
+
+def test_one_seed_on_different_prompts_draws_independent_noise(config, params):
+    """Fault: one seed for several prompts gave them the same noise, so at a high temperature
+    their samples agreed on almost every token. The prompt's hash is in each row's key: the
+    same prompt with the same seed still repeats exactly."""
+    prompts = [[1, 2, 3], [1, 2, 4], [7, 7, 7], [30, 31, 32], [1, 2, 3]]
+    hot = SamplingParams(temperature=5.0, max_new_tokens=24, seed=42)
+    outs = [o.tokens for o in generate(params, config, prompts, hot)]
+    assert outs[4] == outs[0]  # same seed, same prompt
+    for i in range(4):
+        for j in range(i):
+            same = sum(a == b for a, b in zip(outs[i], outs[j]))
+            assert same <= 6, f"prompts {i} and {j} share {same} of 24 tokens"
+    engine_run = engine.Engine(params, config, max_slots=2)
+    engine_run.add_request("r", prompts[1], hot)
+    tokens = []
+    while engine_run.has_unfinished_requests():
+        tokens += [t for o in engine_run.step() for t in o.new_token_ids]
+    assert tokens == outs[1]
 
 
 def test_seeded_request_is_the_same_alone_first_last_and_beside_unseeded(config, params):
