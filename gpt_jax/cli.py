@@ -43,6 +43,13 @@ def demo_main(argv):
                         help="default: what the model's context leaves after the longest prompt")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
+    from training.train import TrainConfig
+
+    try:  # bad input stops here, before the previous run is touched
+        cfg = TrainConfig(run_dir=str(run_dir), time_budget_s=args.train_seconds)
+    except ValueError as error:
+        raise SystemExit(f"demo: {error}") from None
+
     phases = {}
 
     tick = time.perf_counter()
@@ -60,9 +67,8 @@ def demo_main(argv):
         print(f"reusing the trained model in {run_dir} (--retrain to train again)")
     else:
         from gpt_jax.checkpoint import write_json_atomic
-        from training.train import TrainConfig, split_host, train
+        from training.train import split_host, train
 
-        cfg = TrainConfig(run_dir=str(run_dir), time_budget_s=args.train_seconds)
         split_host(cfg)
         summary = train(cfg)
         write_json_atomic(summary_path, summary)

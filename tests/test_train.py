@@ -123,6 +123,7 @@ def test_damaged_checkpoint_is_reported_and_the_previous_one_used(
     out = capsys.readouterr().out
     assert f"checkpoint {run_dir.absolute()}/checkpoints/{steps[-1]} " in out
     assert "trying the previous checkpoint" in out
+    assert f"restored checkpoint {run_dir.absolute()}/checkpoints/{steps[-2]} instead" in out
     tokens = jnp.arange(8, dtype=jnp.int32)[None]
     np.testing.assert_array_equal(np.asarray(forward(params, tokens, config)),
                                   np.asarray(forward(seen[steps[-2]], tokens, config)))
@@ -372,3 +373,26 @@ def test_bpe_run_generates_text_through_its_saved_tokenizer(corpus, tmp_path):
     out = llm.generate(["The king speaks ✓"], sampling, progress=False)[0]
     assert len(out.tokens) == 8
     assert out.text == llm.tokenizer.decode(out.tokens)
+
+
+def test_demo_refuses_a_bad_budget_before_touching_the_previous_run(tmp_path):
+    from gpt_jax import cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit, match="demo: TrainConfig.time_budget_s must be >= 0, got -1"):
+        cli.demo_main(["--run-dir", str(run), "--retrain", "--train-seconds", "-1"])
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # not renamed away
+
+
+def test_resuming_with_another_model_is_refused(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")  # a started run (never read: refused first)
+    started = T.TrainConfig.preset("nanogpt-cpu", text=str(corpus), run_dir=str(run_dir))
+    (run_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(started)))
+    cfg = dataclasses.replace(started, model="tiny")
+    with pytest.raises(ValueError, match=rf"{run_dir} holds a '{started.model}' model; it "
+                                         r"cannot resume as model 'tiny'"):
+        T.prepare_run(cfg)

@@ -281,14 +281,20 @@ def prepare_run(cfg: TrainConfig):
     """`(config, tokenizer, Batches)`; a resumed run reuses its saved config and tokenizer.
 
     Raises:
-      ValueError: the corpus is empty or too short for one block in either split, or the
-        block is longer than the model's max_seq_len.
+      ValueError: the corpus is empty or too short for one block in either split, the
+        block is longer than the model's max_seq_len, or the run directory holds another
+        model than `cfg.model`.
     """
     run_dir = Path(cfg.run_dir)
     text = load_corpus(cfg)
     if not text:
         raise ValueError("the corpus is empty: a corpus needs text")
     if (run_dir / "config.json").exists():
+        saved = run_dir / "train_config.json"
+        model = json.loads(saved.read_text()).get("model") if saved.exists() else None
+        if model is not None and model != cfg.model:
+            raise ValueError(f"{run_dir} holds a {model!r} model; it cannot resume as "
+                             f"model {cfg.model!r} (start a new --run-dir for that)")
         config, tokenizer = checkpoint.load_config(run_dir), checkpoint.load_tokenizer(run_dir)
     else:
         tokenizer = make_tokenizer(cfg, text)
