@@ -80,3 +80,10 @@ def test_get_batch_refuses_data_shorter_than_a_block():
     with pytest.raises(ValueError, match="corpus split has 16 tokens, fewer than one block "
                                          r"of 16 \+ 1"):
         data.get_batch(np.arange(16), 2, 16, 0, 0)
+
+
+def test_a_directory_or_missing_file_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=rf"{tmp_path} cannot be read as a text file: Is a dir"):
+        data.load_text(tmp_path)
+    with pytest.raises(ValueError, match="cannot be read as a text file: No such file"):
+        data.load_text(tmp_path / "missing.txt")

@@ -91,8 +91,13 @@ def decode_utf8(raw: bytes, name: str) -> str:
 
 
 def load_text(path: str | os.PathLike) -> str:
-    """Read a UTF-8 text file. Raises ValueError for a non-UTF-8 or empty file."""
-    text = decode_utf8(Path(path).read_bytes(), str(path))
+    """Read a UTF-8 text file. Raises ValueError for a path that is not a readable file, or
+    a non-UTF-8 or empty file."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read as a text file: {e.strerror}") from e
+    text = decode_utf8(raw, str(path))
     if not text:
         raise ValueError(f"{path} is empty: a corpus needs text")
     return text
