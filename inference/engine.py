@@ -441,10 +441,11 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
                     "bos_token_id to inference.generate to start empty prompts from BOS)"
                 )
             prompt = [] if bos_token_id is None else [int(bos_token_id)]
-        ids = prompt + list(sp.stop_token_ids) + [t for q in sp.stop_sequences for t in q]
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"prompt {index}: token id {bad[0]} is outside [0, {V})")
+        for what, ids in (("token id", prompt), ("stop_token_ids id", sp.stop_token_ids),
+                          ("stop_sequences id", [t for q in sp.stop_sequences for t in q])):
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompt {index}: {what} {bad[0]} is outside [0, {V})")
         if sp.logprobs is not None and sp.logprobs > V:
             raise ValueError(f"prompt {index}: logprobs={sp.logprobs} asks for more "
                              f"alternatives than the vocabulary has; allowed: [0, {V}]")

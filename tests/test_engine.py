@@ -80,6 +80,10 @@ def test_eos_ends_a_row_and_is_kept(config, params):
 def test_out_of_vocabulary_prompt_token_raises(config, params):
     with pytest.raises(ValueError, match=r"token id 64 is outside \[0, 64\)"):
         generate(params, config, [[1, 64]], GREEDY)
+    with pytest.raises(ValueError, match=r"prompt 0: stop_token_ids id 99 is outside \[0, 64\)"):
+        generate(params, config, [[1]], SamplingParams(stop_token_ids=[99]))
+    with pytest.raises(ValueError, match=r"prompt 0: stop_sequences id 70 is outside \[0, 64\)"):
+        generate(params, config, [[1]], SamplingParams(stop_sequences=[[1, 70]]))
 
 
 def test_non_integer_prompt_token_raises(config, params):
