@@ -117,9 +117,9 @@ def completions_json(prompts: list[str], sampling: SamplingParams, outputs) -> s
     ], indent=1)
 
 
-def report(llm: LLM, prompts: list[str], sampling: SamplingParams) -> None:
+def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) -> None:
     """Time prefill alone and the whole generation (both compiled first), and print the
-    KV cache size of the batch with its formula."""
+    KV cache size of the batch with its formula (to `file`, default stdout)."""
     config = llm.config
     token_prompts, per_prompt = validate(config, [llm.tokenizer.encode(p) for p in prompts], sampling)
     batch = pack(config, token_prompts, per_prompt)
@@ -141,15 +141,16 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams) -> None:
     new_tokens = sum(len(o.tokens) for o in outputs)
     itemsize = np.dtype(llm.cache_dtype).itemsize
     print(f"prefill: {prefill_s * 1e3:.1f} ms for {len(prompts)} prompts "
-          f"(padded to {batch.tokens_PT.shape[1]} tokens)")
+          f"(padded to {batch.tokens_PT.shape[1]} tokens)", file=file)
     print(f"decode: {new_tokens} tokens in {total_s - prefill_s:.2f} s = "
-          f"{new_tokens / (total_s - prefill_s):,.0f} tokens/s (batch {len(prompts)})")
+          f"{new_tokens / (total_s - prefill_s):,.0f} tokens/s (batch {len(prompts)})",
+          file=file)
     page_size = init_cache_rows(config, 1, S, llm.cache_dtype).page_size
     num_pages = B * pages_for(S, page_size)
     print(f"KV cache: 2 x n_layers {config.n_layers} x pages {num_pages} (batch {B} x "
           f"{pages_for(S, page_size)} per row) x page_size {page_size} x n_kv_heads "
           f"{config.kv_heads} x head_dim {config.head_dim} x {itemsize} bytes = "
-          f"{cache_bytes(config, num_pages, page_size, llm.cache_dtype):,} bytes")
+          f"{cache_bytes(config, num_pages, page_size, llm.cache_dtype):,} bytes", file=file)
 
 
 def add_hf_args(p: argparse.ArgumentParser) -> None:
@@ -220,8 +221,8 @@ def main(argv=None):
         print(completions_json(prompts, sampling, llm.generate(prompts, sampling)))
     else:
         print_stream(llm, prompts, sampling)
-    if args.report:
-        report(llm, prompts, sampling)
+    if args.report:  # after --json, on stderr: stdout stays one JSON document
+        report(llm, prompts, sampling, file=sys.stderr if args.json else None)
 
 
 if __name__ == "__main__":

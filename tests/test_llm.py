@@ -249,3 +249,10 @@ def test_an_eos_ending_keeps_the_eos_token_but_not_its_text(config, params, monk
               "--stop-token-id", str(greedy[4]), "--json"])
     (row,) = json.loads(capsys.readouterr().out)
     assert (row["text"], row["tokens"], row["finish_reason"]) == (out.text, greedy, "eos")
+
+
+def test_json_with_report_keeps_stdout_one_json_document(llm, monkeypatch, capsys):
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
+    cli.main(["--prompt", PROMPT, "--max-new-tokens", "4", "--json", "--report"])
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)) == 1 and "KV cache:" in err and "decode:" in err
