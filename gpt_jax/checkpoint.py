@@ -151,7 +151,10 @@ def restore(mngr: ocp.CheckpointManager, step: int | None, params_like, opt_stat
     errors = []
     for candidate in steps:
         try:
-            return _restore_step(mngr, candidate, params_like, opt_state_like)
+            restored = _restore_step(mngr, candidate, params_like, opt_state_like)
+            if errors:
+                report(f"restored checkpoint {mngr.directory / str(candidate)} instead")
+            return restored
         except CorruptCheckpointError as e:
             errors.append(str(e))
             report(f"{e}; trying the previous checkpoint")
