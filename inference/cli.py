@@ -67,7 +67,12 @@ def parse_args(argv=None):
 
 
 def _ids(text: str) -> tuple[int, ...]:
-    return tuple(int(t) for t in text.split(","))
+    """Comma-separated token ids. Raises argparse.ArgumentTypeError naming the text."""
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids such as 1,2,3, got {text!r}") from None
 
 
 def sampling_from_args(args) -> SamplingParams:

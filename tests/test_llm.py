@@ -256,3 +256,11 @@ def test_json_with_report_keeps_stdout_one_json_document(llm, monkeypatch, capsy
     cli.main(["--prompt", PROMPT, "--max-new-tokens", "4", "--json", "--report"])
     out, err = capsys.readouterr()
     assert len(json.loads(out)) == 1 and "KV cache:" in err and "decode:" in err
+
+
+def test_malformed_token_id_lists_are_named(capsys):
+    for flag in ("--prompt-ids", "--stop-sequence"):
+        with pytest.raises(SystemExit):
+            cli.parse_args([flag, "1,x"])
+        assert "expected comma-separated token ids such as 1,2,3, got '1,x'" in \
+            capsys.readouterr().err
