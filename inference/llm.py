@@ -123,7 +123,11 @@ class LLM:
 
         deltas = self.stream(prompts, sampling, max_batch_size=max_batch_size)
         done = {}
-        with tqdm(disable=not progress, unit="completion", desc="generate") as bar:
+        per_prompt = sampling if isinstance(sampling, (list, tuple)) else \
+            [sampling or engine.SamplingParams()] * len(prompts)
+        total = sum(sp.n for sp in per_prompt)
+        with tqdm(total=total, disable=not progress, unit="completion",
+                  desc="generate") as bar:
             for d in deltas:
                 if d.completion:
                     done[d.index] = d.completion
