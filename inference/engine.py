@@ -622,8 +622,8 @@ def decode_rows(n: int, max_slots: int) -> int:
     for two programs per doubling."""
     if n <= 8:
         return min(max_slots, bucket(n))
-    half = bucket(n) // 2
-    return min(max_slots, -(-n // (half // 2)) * (half // 2))
+    step = bucket(n) // 4  # two steps from the power of two below n to the one above
+    return min(max_slots, -(-n // step) * step)
 
 
 def _first_rows(state: DecodeState, n: int) -> DecodeState:
