@@ -7,6 +7,17 @@ from gpt_jax import GPTConfig, init_params
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+def pytest_configure(config):
+    """JAX's persistent compilation cache, in pytest's cache directory: test modules drop
+    their compiled programs (`_drop_compiled_programs`), and the next module that runs the
+    same program (the same HLO) loads it from disk instead of compiling it again. A cached
+    program is found by a hash of its HLO, compile options and jax version, never by name."""
+    directory = config.cache.mkdir("jax-compilation-cache")
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def lively_params(config, seed=1, scale=6.0):
     """Random params with weights scaled up (x6), so greedy decoding does not just repeat one
     token and equivalence tests can fail (see shared/cases/generation.md)."""
