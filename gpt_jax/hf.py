@@ -256,6 +256,13 @@ def save_hf_gpt2(config: GPTConfig, params: Params, path: str | os.PathLike) -> 
                 os.remove(tmp)
 
 
+def load_hf_eos_token_id(path: str | os.PathLike) -> int | None:
+    """The `eos_token_id` of the directory's config.json (50256 for OpenAI's GPT-2), or None
+    when it has none (or a list, which GPT-2 configs never hold)."""
+    eos = json.loads((Path(path) / "config.json").read_text()).get("eos_token_id")
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+
+
 def load_hf_tokenizer(path: str | os.PathLike) -> BPETokenizer | None:
     """The directory's GPT-2 tokenizer, from `tokenizer.json`, else byte-level BPE from
     `vocab.json` + `merges.txt` (`tokenizers` library); None when it has neither."""

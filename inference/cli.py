@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt_jax import checkpoint
 from gpt_jax.cache import cache_bytes, pages_for
 from inference.engine import generate, init_cache_rows, pack, prefill, validate
 from inference.llm import DTYPES, LLM
@@ -37,8 +38,11 @@ DEFAULT_MAX_NEW_TOKENS = 200
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run-dir", default="runs/shakespeare-char", help="training run directory")
+    add_model_args(p)
     p.add_argument("--prompt", action="append", help="text prompt (repeatable)")
+    p.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="IDS",
+                   help="token-id prompt, comma-separated (repeatable): prints the generated "
+                        "ids, one comma-separated line per completion")
     s = p.add_argument_group("sampling (inference.SamplingParams)")
     s.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"default: {DEFAULT_MAX_NEW_TOKENS}, or what the model's context "
@@ -58,11 +62,8 @@ def parse_args(argv=None):
                    help="token stop sequence, comma-separated ids (repeatable)")
     s.add_argument("--logprobs", type=int, default=None, help="top-N alternatives per token")
     s.add_argument("--n", type=int, default=1, help="samples per prompt")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="weights and KV cache dtype (bfloat16 halves the bytes read per step)")
     p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
     p.add_argument("--report", action="store_true", help="print timing and KV cache size")
-    add_hf_args(p)
     return p.parse_args(argv)
 
 
@@ -158,19 +159,37 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
           f"{cache_bytes(config, num_pages, page_size, llm.cache_dtype):,} bytes", file=file)
 
 
-def add_hf_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Hugging Face GPT-2 (gpt_jax.load_hf_gpt2)")
-    g.add_argument("--hf-checkpoint", metavar="DIR",
-                   help="generate from a GPT-2 directory (config.json + model.safetensors) "
-                        "instead of --run-dir; --prompt text goes through its tokenizer "
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--run-dir, --hf-checkpoint and --dtype: where the model comes from (`load_model`)."""
+    p.add_argument("--run-dir", default="runs/shakespeare-char", help="training run directory")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights and KV cache dtype (bfloat16 halves the bytes read per step)")
+    p.add_argument("--hf-checkpoint", metavar="DIR",
+                   help="a Hugging Face GPT-2 directory (config.json + model.safetensors) "
+                        "instead of --run-dir; text goes through its tokenizer "
                         "(tokenizer.json, or vocab.json + merges.txt)")
-    g.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="IDS",
-                   help="token-id prompt, comma-separated (repeatable): prints the generated "
-                        "ids, one comma-separated line per completion")
+
+
+def load_model(args):
+    """`(params, config, tokenizer, eos_token_id)` of the --hf-checkpoint directory (its
+    tokenizer and EOS id may be None), else of the --run-dir run (EOS None).
+
+    Raises:
+      FileNotFoundError, ValueError: as `gpt_jax.checkpoint.load_params` and
+        `gpt_jax.hf.load_hf_gpt2` do.
+    """
+    if not args.hf_checkpoint:
+        config, params, tokenizer = checkpoint.load_params(args.run_dir)
+        return params, config, tokenizer, None
+    from gpt_jax.hf import load_hf_eos_token_id, load_hf_gpt2, load_hf_tokenizer
+
+    config, params = load_hf_gpt2(args.hf_checkpoint)
+    return (params, config, load_hf_tokenizer(args.hf_checkpoint),
+            load_hf_eos_token_id(args.hf_checkpoint))
 
 
 def load_llm(args) -> LLM:
-    """The --hf-checkpoint directory (its tokenizer may be None), else the --run-dir run.
+    """The model of `load_model` as an LLM.
 
     Raises:
       SystemExit: both --prompt and --prompt-ids; text prompts for a Hugging Face directory
@@ -180,10 +199,7 @@ def load_llm(args) -> LLM:
         raise SystemExit("gpt-jax generate: give --prompt or --prompt-ids, not both")
     if not args.hf_checkpoint:
         return LLM.from_checkpoint(args.run_dir, dtype=args.dtype)
-    from gpt_jax.hf import load_hf_gpt2, load_hf_tokenizer
-
-    config, params = load_hf_gpt2(args.hf_checkpoint)
-    tokenizer = load_hf_tokenizer(args.hf_checkpoint)
+    params, config, tokenizer, _ = load_model(args)
     if tokenizer is None and not args.prompt_ids:
         raise SystemExit(f"gpt-jax generate: {args.hf_checkpoint} has no tokenizer "
                          f"(tokenizer.json, or vocab.json + merges.txt); pass --prompt-ids")
