@@ -3,6 +3,7 @@
 # RETRAIN=1 make demo trains again (the old run directory is kept beside it).
 
 PYTHON ?= python3
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 VENV := .venv
 PY := $(VENV)/bin/python
 TRAIN_SECONDS ?= 450
@@ -26,7 +27,14 @@ $(VENV)/.test-installed: pyproject.toml | $(VENV)/bin/python
 demo: $(VENV)/.demo-installed
 	$(PY) -m gpt_jax.cli demo --train-seconds $(TRAIN_SECONDS) $(if $(RETRAIN),--retrain)
 
-test: $(VENV)/.test-installed
+# The server's page is tested in Debian's chromium, driven through chromedriver (selenium).
+$(VENV)/.browser-installed: | $(VENV)/bin/python
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
+	touch $@
+
+test: $(VENV)/.test-installed $(VENV)/.browser-installed
 	$(PY) -m pytest -q
 
 clean:

@@ -1,4 +1,5 @@
-"""The `gpt-jax` command: `gpt-jax {data,train,generate} [flags]`; `gpt-jax CMD --help`."""
+"""The `gpt-jax` command: `gpt-jax {data,train,generate,serve,demo,bench} [flags]`;
+`gpt-jax CMD --help`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ commands:
   data       download the built-in Shakespeare corpus and print its size
   train      train a model (python -m training.train)
   generate   generate text from a trained run (python -m inference.cli)
+  serve      an OpenAI-compatible HTTP server on the serving engine (inference.server)
   demo       data, train shakespeare-char within a time budget (once), generate (make demo)
   bench      run a benchmark from benchmarks/: gpt-jax bench NAME [flags], NAME one of
              throughput, live-length, roofline, ttft, compiles (speed.py) or
@@ -128,6 +130,10 @@ def main(argv=None):
         from inference.cli import main as generate_main
 
         generate_main(rest)
+    elif command == "serve":
+        from inference.server import main as serve_main
+
+        serve_main(rest)
     elif command == "demo":
         demo_main(rest)
     elif command == "bench":

@@ -1,0 +1,447 @@
+"""`gpt-jax serve`, tested as clients use it: a real uvicorn on 127.0.0.1 (a free port), the
+official `openai` client, raw HTTP for the error bodies and disconnects, a real headless
+chromium for the playground page, and the `gpt-jax serve` process itself for SIGTERM.
+
+Every completion is checked against `LLM.generate` for the same request (seeded), so the
+server adds nothing and loses nothing on the way."""
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2 as httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+from gpt_jax import checkpoint
+from gpt_jax.tokenizer import CharTokenizer
+from inference import LLM, Engine, SamplingParams
+from inference.server import ServerConfig, create_app
+
+KEY = "test-key"
+SLOTS = 8  # the server's and the reference LLM's: the same shapes, compiled once
+TOKENIZER = CharTokenizer([chr(ord("0") + i) for i in range(64)])  # "0".."o": 64 characters
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(load, cfg: ServerConfig):
+    """uvicorn serving create_app(load, cfg) on 127.0.0.1 in a thread; yields the base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(load, cfg), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def wait_ready(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the server did not become ready"
+        time.sleep(0.05)
+
+
+def metric(url: str, name: str) -> float:
+    """One sample of the server's /metrics, by its full name with labels."""
+    text = httpx.get(f"{url}/metrics").text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert found, f"{name} not in /metrics:\n{text}"
+    return float(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def llm(config, params):
+    return LLM(params, config, TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def url(config, params):
+    cfg = ServerConfig("tiny", api_key=KEY, max_queue=64)
+    with running(lambda: Engine(params, config, TOKENIZER, max_slots=SLOTS), cfg) as base:
+        wait_ready(base)
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+
+def solo(llm, prompt: str, **fields):
+    """LLM.generate of this request alone."""
+    return llm.generate([prompt], SamplingParams(**fields), max_batch_size=SLOTS,
+                        progress=False)
+
+
+# ---------------------------------------------------------------------- 1. completions
+
+def test_completion_n2_stop_seed_logprobs_equal_llm_generate(client, llm):
+    fields = dict(max_new_tokens=40, temperature=0.9, seed=11, n=2, logprobs=3)
+    ref = solo(llm, "ABCD", **fields)
+    assert all(r.finish_reason == "length" for r in ref)
+    stop = ref[1].text[10:13]  # a stop string that the second sample meets
+    ref = solo(llm, "ABCD", **fields, stop=[stop])
+    assert ref[1].finish_reason == "stop" and len(ref[1].text) == 10
+    r = client.completions.create(model="tiny", prompt="ABCD", max_tokens=40, temperature=0.9,
+                                  seed=11, n=2, logprobs=3, stop=stop)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice, expected in zip(r.choices, ref):
+        assert choice.text == expected.text
+        assert choice.finish_reason == {"length": "length", "stop": "stop"}[
+            expected.finish_reason]
+        lp = choice.logprobs
+        assert lp.tokens == [TOKENIZER.decode([t]) for t in expected.tokens]
+        np.testing.assert_allclose(lp.token_logprobs, expected.logprobs, atol=1e-5)
+        assert [len(top) for top in lp.top_logprobs] == [3] * len(expected.tokens)
+        assert lp.text_offset == list(range(len(expected.tokens)))
+    assert r.usage.prompt_tokens == 4
+    assert r.usage.completion_tokens == sum(len(e.tokens) for e in ref)
+
+
+def test_streamed_chunks_join_to_the_completion(client, llm):
+    prompts = ["ABCD", "hello0"]
+    refs = [solo(llm, p, max_new_tokens=30, temperature=0.7, seed=5, n=2, logprobs=1)
+            for p in prompts]
+    stream = client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=30, temperature=0.7, seed=5, n=2, logprobs=1,
+        stream=True, stream_options={"include_usage": True})
+    texts, logprobs, reasons, chunks, usage = {}, {}, {}, 0, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+        for c in chunk.choices:
+            chunks += 1
+            assert c.index not in reasons, "a chunk after the choice's finish reason"
+            texts[c.index] = texts.get(c.index, "") + c.text
+            logprobs.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    expected = [r for ref in refs for r in ref]  # prompt-major, then samples: OpenAI's order
+    assert chunks > len(expected), "the text came in one piece: not streamed"
+    assert texts == {i: e.text for i, e in enumerate(expected)}
+    assert reasons == {i: "length" for i in range(len(expected))}
+    for i, e in enumerate(expected):
+        np.testing.assert_allclose(logprobs[i], e.logprobs, atol=1e-5)
+    assert usage.completion_tokens == 4 * 30 and usage.prompt_tokens == 4 + 6
+
+
+def test_token_id_prompts_and_models(client, llm, config):
+    ref = solo(llm, "ABC", max_new_tokens=12, temperature=0.0)
+    r = client.completions.create(model="tiny", prompt=[TOKENIZER.encode("ABC")] * 2,
+                                  max_tokens=12, temperature=0)
+    assert [c.text for c in r.choices] == [ref[0].text] * 2
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].model_extra["max_model_len"] == config.max_seq_len
+
+
+# ---------------------------------------------------------------------- 2. under load
+
+def test_64_concurrent_streams_each_equal_its_solo_result(url, llm):
+    rng = np.random.default_rng(0)
+    letters = [chr(ord("0") + i) for i in range(64)]
+    requests = [("".join(rng.choice(letters, int(rng.integers(1, 40)))),
+                 int(rng.integers(1, 60)), int(rng.integers(0, 2**31))) for _ in range(64)]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+    async def one(prompt, max_tokens, seed):
+        text, reason = "", None
+        stream = await client.completions.create(model="tiny", prompt=prompt,
+                                                 max_tokens=max_tokens, temperature=0.8,
+                                                 seed=seed, stream=True)
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def all_of_them():
+        async with client:
+            return await asyncio.wait_for(asyncio.gather(*(one(*r) for r in requests)), 120)
+
+    tick = time.perf_counter()
+    results = asyncio.run(all_of_them())
+    print("server", time.perf_counter() - tick)
+    tick = time.perf_counter()
+    for (prompt, max_tokens, seed), (text, reason) in zip(requests, results):
+        ref = solo(llm, prompt, max_new_tokens=max_tokens, temperature=0.8, seed=seed)[0]
+        assert (text, reason) == (ref.text, "length"), prompt
+    print("solo", time.perf_counter() - tick)
+    assert metric(url, "gpt_jax:kv_pages_used") == 0
+    assert metric(url, "gpt_jax:kv_pages_free") == metric(url, "gpt_jax:kv_pages_total")
+    assert metric(url, "gpt_jax:num_requests_running") == 0
+    assert metric(url, "gpt_jax:time_to_first_token_seconds_count") >= 64
+
+
+# ---------------------------------------------------------------------- 3. errors
+
+def error_of(response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("temperature", 5, "less than or equal to 2"),
+    ("top_p", -0.1, "greater than or equal to 0"),
+    ("max_tokens", -1, "greater than or equal to 0"),
+    ("n", 0, "greater than or equal to 1"),
+    ("logprobs", 21, "less than or equal to 20"),
+    ("seed", -3, "greater than or equal to 0"),
+    ("presence_penalty", 3, "less than or equal to 2"),
+    ("stop", [""], "non-empty strings"),
+    ("temprature", 0.5, "unknown field"),
+])
+def test_a_bad_field_is_a_400_naming_it_and_what_is_allowed(url, field, value, allowed):
+    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "tiny", "prompt": "AB", field: value})
+    assert r.status_code == 400
+    error = error_of(r)
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert allowed in error["message"]
+    if field != "temprature":
+        assert f"{field}=" in error["message"]
+
+
+def test_request_errors_have_openai_shape(url, config):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    post = lambda body, **kw: httpx.post(f"{url}/v1/completions", json=body,  # noqa: E731
+                                         headers=kw.get("headers", auth))
+    over = post({"prompt": "A" * 100, "max_tokens": 50})
+    assert over.status_code == 400
+    assert error_of(over)["code"] == "context_length_exceeded"
+    assert "max_seq_len" in error_of(over)["message"] and "128" in error_of(over)["message"]
+    oov = post({"prompt": [[1, 2, config.vocab_size]]})
+    assert over.status_code == 400 and str(config.vocab_size) in error_of(oov)["message"]
+    bad_char = post({"prompt": "hello world"})  # ' ' is not in the vocabulary
+    assert bad_char.status_code == 400 and error_of(bad_char)["param"] == "prompt"
+    assert post({"prompt": []}).status_code == 400
+    missing = post({"max_tokens": 3})
+    assert missing.status_code == 400 and error_of(missing)["param"] == "prompt"
+    bad_json = httpx.post(f"{url}/v1/completions", content=b"{not json", headers=auth)
+    assert bad_json.status_code == 400 and "JSON" in error_of(bad_json)["message"]
+    model = post({"model": "gpt-4", "prompt": "AB"})
+    assert model.status_code == 404 and error_of(model)["code"] == "model_not_found"
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        denied = post({"prompt": "AB"}, headers=headers)
+        assert denied.status_code == 401 and error_of(denied)["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    chat = httpx.post(f"{url}/v1/chat/completions", headers=auth,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and error_of(chat)["code"] == "chat_template_missing"
+    assert httpx.get(f"{url}/v2/nothing").status_code == 404
+    assert error_of(httpx.get(f"{url}/v2/nothing"))["type"] == "not_found"
+
+
+class GatedEngine(Engine):
+    """The real Engine, whose steps wait for permits: the test decides when it runs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.permits = threading.Semaphore(0)
+
+    def step(self):
+        self.permits.acquire()
+        return super().step()
+
+
+def test_503_while_loading_then_429_with_retry_after_when_the_queue_is_full(config, params):
+    loaded = threading.Event()
+    engines = []
+
+    def load():
+        loaded.wait(60)
+        engines.append(GatedEngine(params, config, TOKENIZER, max_slots=1))
+        return engines[0]
+
+    cfg = ServerConfig("tiny", max_queue=1)
+    with running(load, cfg) as base:
+        starting = httpx.post(f"{base}/v1/completions", json={"prompt": "AB"})
+        assert starting.status_code == 503 and "Retry-After" in starting.headers
+        assert error_of(starting)["type"] == "service_unavailable"
+        assert httpx.get(f"{base}/health").status_code == 503
+        loaded.set()
+        wait_ready(base)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        with concurrent_requests(client, 2, max_tokens=4) as results:
+            try:
+                deadline = time.monotonic() + 30  # both accepted: 1 slot + 1 in the queue
+                while metric(base, "gpt_jax:num_completions_in_flight") < 2:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                full = httpx.post(f"{base}/v1/completions", json={"prompt": "AB"})
+                assert full.status_code == 429 and full.headers["Retry-After"] == "1"
+                assert error_of(full)["code"] == "rate_limit_exceeded"
+                with pytest.raises(openai.RateLimitError):
+                    client.completions.create(model="tiny", prompt="AB")
+            finally:
+                engines[0].permits.release(100)
+        assert [r.choices[0].finish_reason for r in results] == ["length"] * 2
+        assert metric(base, "gpt_jax:num_completions_in_flight") == 0
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "AB"}).status_code == 200
+
+
+@contextlib.contextmanager
+def concurrent_requests(client, count, **fields):
+    """`count` completions sent from threads; the list of responses is filled on exit."""
+    results = [None] * count
+
+    def send(i):
+        results[i] = client.completions.create(model="tiny", prompt="AB", **fields)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    try:
+        yield results
+    finally:
+        for t in threads:
+            t.join(timeout=60)
+
+
+def test_a_client_that_disconnects_has_its_request_aborted_and_pages_freed(config, params):
+    engines = []
+
+    def load():
+        engines.append(GatedEngine(params, config, TOKENIZER, max_slots=2))
+        return engines[0]
+
+    with running(load, ServerConfig("tiny")) as base:
+        wait_ready(base)
+        gate, port = engines[0].permits, int(base.rsplit(":", 1)[1])
+        for streamed in (True, False):
+            while gate.acquire(blocking=False):  # no permits left from the last round
+                pass
+            tokens_before = metric(base, "gpt_jax:generation_tokens_total")
+            body = json.dumps({"prompt": "ABC", "max_tokens": 120, "stream": streamed})
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+                raw.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                             f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                             f"\r\n\r\n{body}").encode())
+                gate.release(1)  # the prefill: pages taken, the first token out
+                deadline = time.monotonic() + 30
+                while metric(base, "gpt_jax:generation_tokens_total") == tokens_before:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                if streamed:
+                    assert raw.recv(4096).startswith(b"HTTP/1.1 200")
+                assert metric(base, "gpt_jax:kv_pages_used") > 0
+            # the client has gone: one step (a chunk of 8 tokens) per 0.1 s, until the abort
+            # reaches the engine (120 tokens would take 15 steps)
+            while metric(base, "gpt_jax:kv_pages_used") > 0:
+                assert time.monotonic() < deadline, "the disconnected request kept its pages"
+                gate.release(1)
+                time.sleep(0.1)
+            generated = metric(base, "gpt_jax:generation_tokens_total") - tokens_before
+            assert generated < 120, "the request ran to the end after its client had gone"
+            assert metric(base, "gpt_jax:num_requests_running") == 0
+
+
+# ---------------------------------------------------------------------- 4. the page
+
+def test_the_playground_page_streams_text_in_a_real_browser(url, llm):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or "chromium"
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                 "--disable-gpu"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options,
+                              service=Service(shutil.which("chromedriver") or "chromedriver"))
+    try:
+        driver.get(url + "/")
+        field = lambda name: driver.find_element(By.ID, name)  # noqa: E731
+        for name, value in (("api_key", KEY), ("max_tokens", "40"), ("temperature", "0"),
+                            ("prompt", "ROMEO0")):
+            field(name).clear()
+            field(name).send_keys(value)
+        field("generate").click()
+        WebDriverWait(driver, 60).until(lambda d: field("status").text.startswith("done"))
+        expected = solo(llm, "ROMEO0", max_new_tokens=40, temperature=0.0)[0].text
+        assert field("output").text == "ROMEO0" + expected
+        assert field("status").text == "done (length)"
+        assert field("error").text == ""
+        # the text arrived in pieces: the SSE stream, not one response
+        assert "stream: true" in driver.page_source or "stream:true" in driver.page_source
+    finally:
+        driver.quit()
+
+
+# ---------------------------------------------------------------------- the process
+
+def test_gpt_jax_serve_finishes_requests_in_flight_on_sigterm(tmp_path, config, params, llm):
+    run_dir = tmp_path / "run"
+    checkpoint.save_config(run_dir, config)
+    checkpoint.save_tokenizer(run_dir, TOKENIZER)
+    checkpoint.save(checkpoint.manager(run_dir), 1, params, params, {"step": 1})
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpt_jax.cli", "serve", "--run-dir", str(run_dir), "--port",
+         str(port), "--max-slots", "2", "--no-warmup", "--shutdown-timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "gpt-jax serve did not become ready"
+            time.sleep(0.2)
+        body = {"model": "run", "prompt": "ABC", "max_tokens": 100, "temperature": 0,
+                "stream": True}
+        text, events = "", []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    break
+            proc.send_signal(signal.SIGTERM)
+            events += [line[6:] for line in lines if line.startswith("data: ")]
+        assert len(events) > 2, "the stream had ended before SIGTERM: nothing was in flight"
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        text = "".join(c["text"] for c in chunks)
+        assert text == solo(llm, "ABC", max_new_tokens=100, temperature=0.0)[0].text
+        assert chunks[-1]["finish_reason"] == "length"
+        # uvicorn re-raises the signal once its graceful shutdown is done, so a supervisor
+        # sees the process end by SIGTERM, as it asked
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        assert "Traceback" not in proc.stdout.read()
+        with pytest.raises(httpx.TransportError):  # no longer admitting
+            httpx.get(f"{base}/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
