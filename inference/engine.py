@@ -220,7 +220,8 @@ def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArr
     row has now finished. Other rows do not change.
 
     Stop checks, in order: an EOS id (kept), a token stop sequence the output now ends with
-    (cut: `num_tokens` drops its length), `max_new_tokens`.
+    (cut: `num_tokens` drops its length), `max_new_tokens`. Log-probs are the model's, from
+    `logits_BV` before any logit_bias.
     """
     B, n_steps = state.tokens.shape
     step_B = state.step
@@ -421,7 +422,8 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
       ValueError: a token id that is not an integer or is outside [0, vocab_size); an empty
         prompt without a BOS id;
         a prompt length + max_new_tokens above config.max_seq_len (both numbers named);
-        a stop_token_id or stop_sequences id outside the vocabulary.
+        a stop_token_id, stop_sequences id or logit_bias id outside the vocabulary (the id
+        and vocab_size named).
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise TypeError("prompts must be a list of token-id lists")
@@ -442,10 +444,12 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
                 )
             prompt = [] if bos_token_id is None else [int(bos_token_id)]
         for what, ids in (("token id", prompt), ("stop_token_ids id", sp.stop_token_ids),
-                          ("stop_sequences id", [t for q in sp.stop_sequences for t in q])):
+                          ("stop_sequences id", [t for q in sp.stop_sequences for t in q]),
+                          ("logit_bias id", [t for t, _ in sp.logit_bias])):
             bad = [t for t in ids if not 0 <= t < V]
             if bad:
-                raise ValueError(f"prompt {index}: {what} {bad[0]} is outside [0, {V})")
+                raise ValueError(f"prompt {index}: {what} {bad[0]} is outside [0, {V}) "
+                                 f"(the model's vocab_size is {V})")
         if sp.logprobs is not None and sp.logprobs > V:
             raise ValueError(f"prompt {index}: logprobs={sp.logprobs} asks for more "
                              f"alternatives than the vocabulary has; allowed: [0, {V}]")
@@ -486,7 +490,7 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
         source_B=np.array(source + [0] * (B - n_real), np.int32),
         rows=SamplingArrays.from_params(
             padded, seeds + [0] * (B - n_real), index + [0] * (B - n_real),
-            [prompt_hash(prompts[p]) for p in source] + [0] * (B - n_real)),
+            [prompt_hash(prompts[p]) for p in source] + [0] * (B - n_real), config.vocab_size),
         stops=stopping.StopArrays.from_lists(
             [r.max_new_tokens for r in padded], [r.stop_token_ids for r in padded],
             [r.stop_sequences for r in padded],
@@ -1008,7 +1012,8 @@ class Engine:
         params = [q.sampling if q else idle for q in by_slot]
         rows = SamplingArrays.from_params(params, [q.seed if q else 0 for q in by_slot],
                                           [q.sample_index if q else 0 for q in by_slot],
-                                          [q.prompt_hash if q else 0 for q in by_slot])
+                                          [q.prompt_hash if q else 0 for q in by_slot],
+                                          self.config.vocab_size)
         stops = stopping.StopArrays.from_lists(
             [p.max_new_tokens for p in params], [p.stop_token_ids for p in params],
             [p.stop_sequences for p in params], self.widths)

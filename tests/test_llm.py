@@ -172,7 +172,8 @@ EVERY_FLAG = ["--temperature", "0.7", "--top-k", "9", "--top-p", "0.9", "--min-p
               "--repetition-penalty", "1.1", "--presence-penalty", "0.2",
               "--frequency-penalty", "0.1", "--seed", "4", "--max-new-tokens", "12",
               "--stop-token-id", "7", "--stop-token-id", "8", "--stop", "zz\\n",
-              "--stop-sequence", "1,2,3", "--logprobs", "2", "--n", "2"]
+              "--stop-sequence", "1,2,3", "--logprobs", "2", "--n", "2",
+              "--logit-bias", "9=-100", "--logit-bias", "4=2.5"]
 
 
 def test_every_sampling_field_is_a_flag():
@@ -183,6 +184,7 @@ def test_every_sampling_field_is_a_flag():
     assert unset == []
     assert sp.stop == ("zz\n",) and sp.stop_sequences == ((1, 2, 3),)
     assert sp.stop_token_ids == (7, 8)
+    assert sp.logit_bias == ((4, 2.5), (9, -100.0))
 
 
 def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
@@ -256,6 +258,16 @@ def test_json_with_report_keeps_stdout_one_json_document(llm, monkeypatch, capsy
     cli.main(["--prompt", PROMPT, "--max-new-tokens", "4", "--json", "--report"])
     out, err = capsys.readouterr()
     assert len(json.loads(out)) == 1 and "KV cache:" in err and "decode:" in err
+
+
+def test_malformed_or_out_of_vocabulary_logit_bias_flags_are_named(llm, monkeypatch, capsys):
+    for text in ("5", "x=1", "5=big"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--logit-bias", text])
+        assert f"expected ID=BIAS such as 50256=-100, got {text!r}" in capsys.readouterr().err
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
+    with pytest.raises(SystemExit, match=r"logit_bias id 64 is outside \[0, 64\)"):
+        cli.main(["--prompt", PROMPT, "--logit-bias", "64=1"])
 
 
 def test_malformed_token_id_lists_are_named(capsys):
