@@ -58,6 +58,8 @@ def parse_args(argv=None):
                    help="token stop sequence, comma-separated ids (repeatable)")
     s.add_argument("--logprobs", type=int, default=None, help="top-N alternatives per token")
     s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    s.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no EOS, stop sequence or stop string before N tokens (vLLM)")
     s.add_argument("--logit-bias", type=_bias, action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS in [-100, 100] to token ID's logit (OpenAI; repeatable)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
@@ -99,7 +101,8 @@ def sampling_from_args(args) -> SamplingParams:
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None
         else args.max_new_tokens, stop_token_ids=args.stop_token_id,
         stop=[s.replace("\\n", "\n") for s in args.stop], stop_sequences=args.stop_sequence,
-        logprobs=args.logprobs, n=args.n, logit_bias=args.logit_bias,
+        logprobs=args.logprobs, n=args.n, min_tokens=args.min_tokens,
+        logit_bias=args.logit_bias,
     )
 
 

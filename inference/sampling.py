@@ -6,8 +6,9 @@ never recompiles.
 
 Order of the transforms (the order of Hugging Face's default logits processors and vLLM's
 sampler):
-  0. `logit_bias` (OpenAI API): each row's bias `[V]` added to its raw logits, before
-     anything else.
+  0. `logit_bias` (OpenAI API): each row's bias `[V]` added to its raw logits, before anything
+     else. (Before that, `inference.engine.sample_and_record` sets a row's EOS logits to -inf
+     while the row is inside its `min_tokens`: `inference.stopping.ban_early_eos`.)
   1. penalties on the biased logits: repetition (CTRL, Keskar et al. 2019: divide a positive
      logit, multiply a negative one, once per seen token, prompt and output), then presence
      and frequency (OpenAI API: subtract `presence` once and `frequency` x count, output
@@ -79,6 +80,12 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; n >= 0 = sampled token's logprob + top n
     n: int = 1  # independent samples of this prompt, sharing one prefill
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # token id sequences; output cut before one
+    # vLLM's min_tokens: no stop (EOS id, token stop sequence, stop string) until this many
+    # tokens have been generated. An EOS id cannot be sampled while fewer have been (its
+    # logit is -inf, `stopping.ban_early_eos`); a stop sequence or string counts only if the
+    # token that completes it comes after the first min_tokens (a match may start inside
+    # them). At most max_new_tokens, which still ends the row.
+    min_tokens: int = 0
     # OpenAI's logit_bias: token id -> bias in [-100, 100], added to the raw logits before
     # penalties, temperature and filters (not to the reported logprobs, which stay the
     # model's). Given as a dict or (id, bias) pairs; kept as pairs sorted by id (hashable).
@@ -118,6 +125,11 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"None or [0, {MAX_LOGPROBS}]")
         _check_int("n", self.n, 1, None, ">= 1")
+        _check_int("min_tokens", self.min_tokens, 0, None, ">= 0")
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} is more than "
+                             f"max_new_tokens={self.max_new_tokens}; allowed: "
+                             "0 <= min_tokens <= max_new_tokens")
         set_(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property

@@ -290,7 +290,7 @@ def test_g20_every_option_changes_the_draws(dtype, option, on, seen, counts, cha
     ("stop_token_ids", [-3], "token ids >= 0"), ("stop", [""], "non-empty strings"),
     ("logprobs", 21, r"None or \[0, 20\]"), ("n", 0, ">= 1"),
     ("stop_sequences", [[1, -2]], "token ids >= 0"), ("stop_sequences", [[]], "non-empty"),
-    ("stop_token_ids", 5, "a list"),
+    ("stop_token_ids", 5, "a list"), ("min_tokens", -1, ">= 0"),
     ("logit_bias", {-1: 1.0}, "token ids >= 0"), ("logit_bias", 5, "a list"),
 ])
 def test_out_of_range_values_are_rejected_naming_field_value_and_range(field, value, allowed):
@@ -298,7 +298,8 @@ def test_out_of_range_values_are_rejected_naming_field_value_and_range(field, va
         SamplingParams(**{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("top_k", 1.5), ("max_new_tokens", 3.5), ("n", True)])
+@pytest.mark.parametrize("field, value", [("top_k", 1.5), ("max_new_tokens", 3.5), ("n", True),
+                                          ("min_tokens", 2.0)])
 def test_non_integer_values_are_rejected_as_such(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}={value!r} is not an integer"):
         SamplingParams(**{field: value})
@@ -324,6 +325,14 @@ def test_logit_bias_is_stored_as_sorted_pairs_and_checked_per_entry():
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(logit_bias=value)
+
+
+def test_min_tokens_above_max_new_tokens_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"^SamplingParams\.min_tokens=9 is more than "
+                                         r"max_new_tokens=8; allowed: 0 <= min_tokens <= "
+                                         r"max_new_tokens$"):
+        SamplingParams(min_tokens=9, max_new_tokens=8)
+    assert SamplingParams(min_tokens=8, max_new_tokens=8).min_tokens == 8
 
 
 def test_logit_bias_is_added_before_the_penalties():
@@ -499,7 +508,7 @@ def test_logprobs_on_a_vocabulary_smaller_than_twenty():
         generate(params, config, [[1, 2]], SamplingParams(logprobs=6, max_new_tokens=2))
 
 
-# ------------------------------------------------------------------ logit_bias, end to end
+# ------------------------------------------------- logit_bias and min_tokens, end to end
 
 
 def engine_outputs(params, config, prompts, sampling, max_slots=2):
@@ -546,3 +555,48 @@ def test_out_of_vocabulary_logit_bias_id_is_refused_before_compiling(config, par
         eng.add_request("r", [1, 2], sp)
     assert not eng.has_unfinished_requests()
     assert engine.compile_counts() == before
+
+
+def mixed_requests(config):
+    """Requests with logit_bias and min_tokens set (an EOS id the greedy row would emit at
+    once), greedy and sampled, beside plain ones."""
+    return [
+        SamplingParams(temperature=0.0, max_new_tokens=20, logit_bias={7: 3.0, 12: -2.5}),
+        SamplingParams(temperature=0.0, max_new_tokens=20, min_tokens=9, stop_token_ids=[1, 2]),
+        SamplingParams(temperature=0.9, max_new_tokens=20, seed=5, min_tokens=6,
+                       stop_token_ids=list(range(0, config.vocab_size, 3)),
+                       logit_bias={i: 4.0 for i in range(0, config.vocab_size, 3)}),
+        SamplingParams(temperature=0.7, top_k=20, max_new_tokens=12, seed=8),
+    ]
+
+
+def test_rows_with_logit_bias_and_min_tokens_are_batch_invariant(config, params):
+    prompts = [[3, 4, 5], [9], [20, 21, 22, 23, 24, 25, 26], [40, 41]]
+    sampling = mixed_requests(config)
+    batched = [(o.tokens, o.finish_reason) for o in generate(params, config, prompts, sampling)]
+    for prompt, sp, row in zip(prompts, sampling, batched):
+        (solo,) = generate(params, config, [prompt], sp)
+        assert (solo.tokens, solo.finish_reason) == row
+    assert engine_outputs(params, config, prompts, sampling) == batched
+    assert batched[2][1] == "eos" and len(batched[2][0]) > 6  # min_tokens held the EOS off
+
+
+def test_changing_logit_bias_and_min_tokens_values_compiles_nothing(config, params):
+    """One Engine slot: its programs' shapes (one decode row) do not depend on when requests
+    finish, so only the values change between runs."""
+    prompts = [[3, 4, 5], [9], [20, 21, 22, 23, 24, 25, 26], [40, 41]]
+    sampling = mixed_requests(config)
+    generate(params, config, prompts, sampling)  # warm-up: these shapes are compiled
+    engine_outputs(params, config, prompts, sampling, max_slots=1)
+    before = engine.compile_counts()
+    outputs = []
+    for bias, min_tokens in [({}, 0), ({5: -100.0}, 3), ({i: 2.0 for i in range(40)}, 19)]:
+        changed = [dataclasses.replace(sp, logit_bias=bias, min_tokens=min(min_tokens,
+                                                                          sp.max_new_tokens))
+                   for sp in sampling]
+        outs = generate(params, config, prompts, changed)
+        assert engine_outputs(params, config, prompts, changed, max_slots=1) == \
+            [(o.tokens, o.finish_reason) for o in outs]
+        outputs.append(tuple(tuple(o.tokens) for o in outs))
+    assert engine.compile_counts() == before
+    assert len(set(outputs)) == 3  # the values really differed
