@@ -62,6 +62,10 @@ def parse_args(argv=None):
                    help="token stop sequence, comma-separated ids (repeatable)")
     s.add_argument("--logprobs", type=int, default=None, help="top-N alternatives per token")
     s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    s.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no EOS, stop sequence or stop string before N tokens (vLLM)")
+    s.add_argument("--logit-bias", type=_bias, action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit (OpenAI; repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
     p.add_argument("--report", action="store_true", help="print timing and KV cache size")
     return p.parse_args(argv)
@@ -76,6 +80,19 @@ def _ids(text: str) -> tuple[int, ...]:
             f"expected comma-separated token ids such as 1,2,3, got {text!r}") from None
 
 
+def _bias(text: str) -> tuple[int, float]:
+    """`ID=BIAS`, a token id and its logit bias. Raises argparse.ArgumentTypeError naming the
+    text."""
+    token_id, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token_id), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected ID=BIAS such as 50256=-100, got {text!r}") from None
+
+
 def sampling_from_args(args) -> SamplingParams:
     """SamplingParams from the parsed flags. Raises ValueError for an out-of-range value."""
     return SamplingParams(
@@ -85,7 +102,8 @@ def sampling_from_args(args) -> SamplingParams:
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None
         else args.max_new_tokens, stop_token_ids=args.stop_token_id,
         stop=[s.replace("\\n", "\n") for s in args.stop], stop_sequences=args.stop_sequence,
-        logprobs=args.logprobs, n=args.n,
+        logprobs=args.logprobs, n=args.n, min_tokens=args.min_tokens,
+        logit_bias=args.logit_bias,
     )
 
 

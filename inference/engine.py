@@ -220,11 +220,14 @@ def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArr
     row has now finished. Other rows do not change.
 
     Stop checks, in order: an EOS id (kept), a token stop sequence the output now ends with
-    (cut: `num_tokens` drops its length), `max_new_tokens`.
+    (cut: `num_tokens` drops its length), `max_new_tokens`. Inside a row's `min_tokens` (its
+    step below it) no EOS id can be sampled (`stopping.ban_early_eos`) and no stop sequence
+    counts. Log-probs are the model's, from `logits_BV` before any of that.
     """
     B, n_steps = state.tokens.shape
     step_B = state.step
-    token_B = sample(logits_BV, rows, state.prompt_seen, state.output_counts, step_B, pad_id)
+    token_B = sample(stopping.ban_early_eos(logits_BV, step_B, stops), rows, state.prompt_seen,
+                     state.output_counts, step_B, pad_id)
     token_B = jnp.where(active_B, token_B, pad_id)
     token_logprob_B, top_logprobs_BR, top_ids_BR = _token_logprobs(
         logits_BV, token_B, active_B & (rows.logprobs >= 0), state.top_ids.shape[-1])
@@ -236,7 +239,7 @@ def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArr
         state.recent,
     )
     eos_B = active_B & stopping.is_eos(token_B, stops.stop_token_ids)
-    stop_len_B = jnp.where(active_B & ~eos_B,
+    stop_len_B = jnp.where(active_B & ~eos_B & (step_B >= stops.min_tokens),
                            stopping.matched_stop_length(recent_BM, stops.stop_sequences), 0)
     stop_B = stop_len_B > 0
     full_B = active_B & (num_tokens_B >= stops.max_new_tokens)
@@ -421,7 +424,8 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
       ValueError: a token id that is not an integer or is outside [0, vocab_size); an empty
         prompt without a BOS id;
         a prompt length + max_new_tokens above config.max_seq_len (both numbers named);
-        a stop_token_id or stop_sequences id outside the vocabulary.
+        a stop_token_id, stop_sequences id or logit_bias id outside the vocabulary (the id
+        and vocab_size named).
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise TypeError("prompts must be a list of token-id lists")
@@ -442,10 +446,12 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
                 )
             prompt = [] if bos_token_id is None else [int(bos_token_id)]
         for what, ids in (("token id", prompt), ("stop_token_ids id", sp.stop_token_ids),
-                          ("stop_sequences id", [t for q in sp.stop_sequences for t in q])):
+                          ("stop_sequences id", [t for q in sp.stop_sequences for t in q]),
+                          ("logit_bias id", [t for t, _ in sp.logit_bias])):
             bad = [t for t in ids if not 0 <= t < V]
             if bad:
-                raise ValueError(f"prompt {index}: {what} {bad[0]} is outside [0, {V})")
+                raise ValueError(f"prompt {index}: {what} {bad[0]} is outside [0, {V}) "
+                                 f"(the model's vocab_size is {V})")
         if sp.logprobs is not None and sp.logprobs > V:
             raise ValueError(f"prompt {index}: logprobs={sp.logprobs} asks for more "
                              f"alternatives than the vocabulary has; allowed: [0, {V}]")
@@ -486,11 +492,8 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
         source_B=np.array(source + [0] * (B - n_real), np.int32),
         rows=SamplingArrays.from_params(
             padded, seeds + [0] * (B - n_real), index + [0] * (B - n_real),
-            [prompt_hash(prompts[p]) for p in source] + [0] * (B - n_real)),
-        stops=stopping.StopArrays.from_lists(
-            [r.max_new_tokens for r in padded], [r.stop_token_ids for r in padded],
-            [r.stop_sequences for r in padded],
-        ),
+            [prompt_hash(prompts[p]) for p in source] + [0] * (B - n_real), config.vocab_size),
+        stops=stopping.StopArrays.from_params(padded),
         requests=tuple(rows),
         seeds=tuple(seeds),
         n_real=n_real,
@@ -690,10 +693,14 @@ def _text_of(tokenizer, tokens: list[int], final: bool) -> str:
     return text if final else text.rstrip(INCOMPLETE)
 
 
-def _stop_cut(tokenizer, tokens: list[int], text: str, stops) -> tuple[str, list[int]] | None:
+def _stop_cut(tokenizer, tokens: list[int], text: str, stops,
+              min_tokens: int = 0) -> tuple[str, list[int]] | None:
     """If `text` contains a stop string: the text before it and the tokens through the one
-    that completed it (the first prefix whose text reaches the stop string's end)."""
-    hit = stopping.find_stop(text, stops)
+    that completed it (the first prefix whose text reaches the stop string's end). Only an
+    occurrence completed after the first `min_tokens` tokens counts (it ends past their
+    text)."""
+    after = len(_text_of(tokenizer, tokens[:min_tokens], final=False)) if min_tokens else 0
+    hit = stopping.find_stop(text, stops, after)
     if hit is None:
         return None
     start, end = hit
@@ -1008,11 +1015,9 @@ class Engine:
         params = [q.sampling if q else idle for q in by_slot]
         rows = SamplingArrays.from_params(params, [q.seed if q else 0 for q in by_slot],
                                           [q.sample_index if q else 0 for q in by_slot],
-                                          [q.prompt_hash if q else 0 for q in by_slot])
-        stops = stopping.StopArrays.from_lists(
-            [p.max_new_tokens for p in params], [p.stop_token_ids for p in params],
-            [p.stop_sequences for p in params], self.widths)
-        return rows, stops
+                                          [q.prompt_hash if q else 0 for q in by_slot],
+                                          self.config.vocab_size)
+        return rows, stopping.StopArrays.from_params(params, self.widths)
 
     def _collect(self, running: list[Sequence]) -> list[RequestOutput]:
         """Read the decode state: new tokens of each running sample, finished ones freed."""
@@ -1062,7 +1067,8 @@ class Engine:
         text_tokens = seq.output[:-1] if seq.finish_reason == "eos" else seq.output
         text = _text_of(self.tokenizer, text_tokens, final=finished)
         stops = seq.sampling.stop
-        cut = _stop_cut(self.tokenizer, text_tokens, text, stops) if stops else None
+        cut = _stop_cut(self.tokenizer, text_tokens, text, stops,
+                        seq.sampling.min_tokens) if stops else None
         if cut is not None and not (finished and seq.finish_reason == "stop" and seq.text):
             text, kept = cut
             del seq.output[len(kept):], seq.logprobs[len(kept):], seq.top_logprobs[len(kept):]

@@ -6,7 +6,10 @@ never recompiles.
 
 Order of the transforms (the order of Hugging Face's default logits processors and vLLM's
 sampler):
-  1. penalties on the raw logits: repetition (CTRL, Keskar et al. 2019: divide a positive
+  0. `logit_bias` (OpenAI API): each row's bias `[V]` added to its raw logits, before anything
+     else. (Before that, `inference.engine.sample_and_record` sets a row's EOS logits to -inf
+     while the row is inside its `min_tokens`: `inference.stopping.ban_early_eos`.)
+  1. penalties on the biased logits: repetition (CTRL, Keskar et al. 2019: divide a positive
      logit, multiply a negative one, once per seen token, prompt and output), then presence
      and frequency (OpenAI API: subtract `presence` once and `frequency` x count, output
      tokens only);
@@ -77,6 +80,17 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; n >= 0 = sampled token's logprob + top n
     n: int = 1  # independent samples of this prompt, sharing one prefill
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # token id sequences; output cut before one
+    # vLLM's min_tokens: no stop (EOS id, token stop sequence, stop string) until this many
+    # tokens have been generated. An EOS id cannot be sampled while fewer have been (its
+    # logit is -inf, `stopping.ban_early_eos`); a stop sequence or string counts only if the
+    # token that completes it comes after the first min_tokens (a match may start inside
+    # them). At most max_new_tokens, which still ends the row.
+    min_tokens: int = 0
+    # OpenAI's logit_bias: token id -> bias in [-100, 100], added to the raw logits before
+    # penalties, temperature and filters (not to the reported logprobs, which stay the
+    # model's). Given as a dict or (id, bias) pairs; kept as pairs sorted by id (hashable).
+    # Ids past the vocabulary are refused by `inference.engine.validate`, which knows it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -111,6 +125,12 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"None or [0, {MAX_LOGPROBS}]")
         _check_int("n", self.n, 1, None, ">= 1")
+        _check_int("min_tokens", self.min_tokens, 0, None, ">= 0")
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} is more than "
+                             f"max_new_tokens={self.max_new_tokens}; allowed: "
+                             "0 <= min_tokens <= max_new_tokens")
+        set_(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +141,25 @@ def _as_tuple(name, value) -> tuple:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ValueError(f"SamplingParams.{name}={value!r} is out of range; allowed: a list")
     return tuple(value)
+
+
+def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (id, bias) pairs sorted by id, from a dict or pairs; each id an int >= 0
+    given once, each bias a real in [-100, 100]."""
+    pairs = value.items() if isinstance(value, dict) else _as_tuple("logit_bias", value)
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"SamplingParams.logit_bias entry {pair!r} is not a (token id, "
+                             "bias) pair; allowed: a dict or pairs {token id >= 0: bias}")
+        token_id, bias = pair
+        _check_int("logit_bias", token_id, 0, None, "token ids >= 0")
+        _check_real(f"logit_bias[{token_id}]", bias, -100.0, 100.0, "[-100, 100]")
+        if int(token_id) in out:
+            raise ValueError(f"SamplingParams.logit_bias gives token id {token_id} twice; "
+                             "allowed: each id once")
+        out[int(token_id)] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _check_real(name, value, low, high, allowed):
@@ -152,10 +191,13 @@ class SamplingArrays:
     prompt_hash: jax.Array  # [B] uint32, `prompt_hash` of the request's prompt
     sample_index: jax.Array  # [B] int32, which of the request's n samples this row is
     logprobs: jax.Array  # [B] int32, alternatives to record per token; -1 = no log-probs
+    logit_bias: jax.Array  # [B, V] float32, added to the raw logits; 0 = off
 
     @classmethod
     def from_params(cls, rows: list[SamplingParams], seeds: list[int], sample_index: list[int],
-                    prompt_hashes: list[int]):
+                    prompt_hashes: list[int], vocab_size: int):
+        """The arrays of these rows (`[B]` each, `logit_bias` `[B, vocab_size]`). Token ids
+        in `logit_bias` must be below vocab_size (`inference.engine.validate` checks)."""
         def col(name, dtype):
             return jnp.asarray(np.array([getattr(r, name) for r in rows], dtype))
 
@@ -172,7 +214,21 @@ class SamplingArrays:
             sample_index=jnp.asarray(np.array(sample_index, np.int32)),
             logprobs=jnp.asarray(np.array([-1 if r.logprobs is None else r.logprobs
                                            for r in rows], np.int32)),
+            logit_bias=dense_logit_bias(rows, vocab_size),
         )
+
+
+def dense_logit_bias(rows: list[SamplingParams], vocab_size: int) -> jax.Array:
+    """float32 `[B, vocab_size]`: each row's `logit_bias` at its token ids, 0 elsewhere.
+    Zeros made on the device when no row has a bias (no `[B, V]` copy from the host on each
+    engine step)."""
+    if not any(r.logit_bias for r in rows):
+        return jnp.zeros((len(rows), vocab_size), jnp.float32)
+    bias = np.zeros((len(rows), vocab_size), np.float32)
+    for b, r in enumerate(rows):
+        for token_id, value in r.logit_bias:
+            bias[b, token_id] = value
+    return jnp.asarray(bias)
 
 
 def apply_penalties(
@@ -279,7 +335,8 @@ def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, st
 
     Args:
       logits_BV: float32 or bfloat16 logits (computed in float32 here).
-      rows: per-row parameters. prompt_seen_BV, output_counts_BV: history for penalties.
+      rows: per-row parameters (`rows.logit_bias` is added first).
+      prompt_seen_BV, output_counts_BV: history for penalties.
       step: int scalar or `[B]`, index of the token each row is generating (mixed into the
         row's key).
       pad_id: returned for rows whose logits have no finite value.
@@ -288,6 +345,7 @@ def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, st
     finite_B = jnp.isfinite(logits_BV).any(-1)
     logits_BV = jnp.where(finite_B[:, None] & ~jnp.isnan(logits_BV), logits_BV, -jnp.inf)
     logits_BV = jnp.where(finite_B[:, None], logits_BV, 0.0)
+    logits_BV = logits_BV + rows.logit_bias  # -inf (a banned token) stays -inf
 
     any_penalty = (
         (rows.repetition_penalty != 1) | (rows.presence_penalty != 0) | (rows.frequency_penalty != 0)

@@ -138,6 +138,24 @@ def test_a_stop_prefix_that_never_completes_is_released(llm):
     assert texts == [full.text] and c.finish_reason == "length" and c.tokens == full.tokens
 
 
+def test_a_stop_string_completed_inside_min_tokens_does_not_count(llm):
+    """A stop string seen once in the greedy text, from 3 characters into token t to 2 into
+    token t + 1: min_tokens t + 1 lets it stop the text (though it starts inside those
+    tokens), t + 2 does not, and the whole text streams."""
+    (full,) = llm.generate([PROMPT], GREEDY)
+    text = full.text
+    t = next(t for t in range(2, 40)
+             if text.count(text[t * WIDTH + 3: t * WIDTH + 7]) == 1)
+    stop = text[t * WIDTH + 3: t * WIDTH + 7]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=48, stop=[stop], min_tokens=t + 1)
+    (out,) = llm.generate([PROMPT], sampling)
+    assert (out.text, out.finish_reason) == (text[: t * WIDTH + 3], "stop")
+    assert out.tokens == full.tokens[: t + 2]
+    late = dataclasses.replace(sampling, min_tokens=t + 2)
+    texts, (c,) = joined_and_checked(llm.stream([PROMPT], late), 1)
+    assert texts == [text] and (c.text, c.finish_reason) == (text, "length")
+
+
 def test_no_prompts_give_no_completions_and_no_deltas(llm):
     sampling = SamplingParams(max_new_tokens=5)
     assert llm.generate([], sampling) == []
@@ -172,7 +190,8 @@ EVERY_FLAG = ["--temperature", "0.7", "--top-k", "9", "--top-p", "0.9", "--min-p
               "--repetition-penalty", "1.1", "--presence-penalty", "0.2",
               "--frequency-penalty", "0.1", "--seed", "4", "--max-new-tokens", "12",
               "--stop-token-id", "7", "--stop-token-id", "8", "--stop", "zz\\n",
-              "--stop-sequence", "1,2,3", "--logprobs", "2", "--n", "2"]
+              "--stop-sequence", "1,2,3", "--logprobs", "2", "--n", "2", "--min-tokens", "3",
+              "--logit-bias", "9=-100", "--logit-bias", "4=2.5"]
 
 
 def test_every_sampling_field_is_a_flag():
@@ -183,6 +202,7 @@ def test_every_sampling_field_is_a_flag():
     assert unset == []
     assert sp.stop == ("zz\n",) and sp.stop_sequences == ((1, 2, 3),)
     assert sp.stop_token_ids == (7, 8)
+    assert sp.min_tokens == 3 and sp.logit_bias == ((4, 2.5), (9, -100.0))
 
 
 def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
@@ -256,6 +276,18 @@ def test_json_with_report_keeps_stdout_one_json_document(llm, monkeypatch, capsy
     cli.main(["--prompt", PROMPT, "--max-new-tokens", "4", "--json", "--report"])
     out, err = capsys.readouterr()
     assert len(json.loads(out)) == 1 and "KV cache:" in err and "decode:" in err
+
+
+def test_bad_logit_bias_and_min_tokens_flags_are_named(llm, monkeypatch, capsys):
+    for text in ("5", "x=1", "5=big"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--logit-bias", text])
+        assert f"expected ID=BIAS such as 50256=-100, got {text!r}" in capsys.readouterr().err
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
+    with pytest.raises(SystemExit, match=r"logit_bias id 64 is outside \[0, 64\)"):
+        cli.main(["--prompt", PROMPT, "--logit-bias", "64=1"])
+    with pytest.raises(SystemExit, match=r"min_tokens=30 is more than max_new_tokens=20"):
+        cli.main(["--prompt", PROMPT, "--max-new-tokens", "20", "--min-tokens", "30"])
 
 
 def test_malformed_token_id_lists_are_named(capsys):

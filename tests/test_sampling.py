@@ -22,13 +22,20 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 
 
 def arrays(*params, seeds=None):
+    """SamplingArrays of these rows, for the vocabulary size `draws` passes."""
     seeds = seeds or [7] * len(params)
-    return SamplingArrays.from_params(list(params), seeds, [0] * len(params), [0] * len(params))
+    return functools.partial(SamplingArrays.from_params, list(params), seeds,
+                             [0] * len(params), [0] * len(params))
+
+
+def draws(logits_BV, rows, seen_BV=None, counts_BV=None, *, n_draws=1, pad_id=0):
+    """int32 `[n_draws, B]`: sample() at steps 0..n_draws-1 (a fresh key per step)."""
+    return _draws(logits_BV, rows(vocab_size=logits_BV.shape[-1]), seen_BV, counts_BV,
+                  n_draws=n_draws, pad_id=pad_id)
 
 
 @functools.partial(jax.jit, static_argnames=("n_draws", "pad_id"))
-def draws(logits_BV, rows, seen_BV=None, counts_BV=None, *, n_draws=1, pad_id=0):
-    """int32 `[n_draws, B]`: sample() at steps 0..n_draws-1 (a fresh key per step)."""
+def _draws(logits_BV, rows, seen_BV=None, counts_BV=None, *, n_draws=1, pad_id=0):
     B, V = logits_BV.shape
     seen_BV = jnp.zeros((B, V), bool) if seen_BV is None else seen_BV
     counts_BV = jnp.zeros((B, V), jnp.int32) if counts_BV is None else counts_BV
@@ -170,9 +177,9 @@ def test_g12_mixed_temperatures_in_one_compiled_step(dtype):
     run = lambda temps: draws(logits, arrays(*[SamplingParams(temperature=t) for t in temps]),  # noqa: E731
                               n_draws=1000)
     run([0.5, 0.5, 0.5])
-    before = draws._cache_size()
+    before = _draws._cache_size()
     got = np.asarray(run([0.0, 1e-6, 1.0]))
-    assert draws._cache_size() == before  # new values, no new program
+    assert _draws._cache_size() == before  # new values, no new program
     assert (got[:, :2] == 2).all()
     hot = np.asarray(run([0.0, 1e-6, 8.0]))[:, 2]
     assert len(set(hot.tolist())) > 1
@@ -252,6 +259,7 @@ def test_filters_never_empty_a_row():
     ("presence_penalty", dict(temperature=0.0, presence_penalty=0.5), None, [1, 0, 0, 0], "only_1"),
     ("frequency_penalty", dict(temperature=0.0, frequency_penalty=0.2), None, [1, 0, 0, 0], "only_1"),
     ("seed", dict(seed=8), None, None, "different"),
+    ("logit_bias", dict(logit_bias={0: -100}), None, None, "only_1"),
 ])
 def test_g20_every_option_changes_the_draws(dtype, option, on, seen, counts, changed):
     logits = jnp.asarray([[2.0, 1.9, -30.0, -30.0]], dtype)
@@ -282,14 +290,16 @@ def test_g20_every_option_changes_the_draws(dtype, option, on, seen, counts, cha
     ("stop_token_ids", [-3], "token ids >= 0"), ("stop", [""], "non-empty strings"),
     ("logprobs", 21, r"None or \[0, 20\]"), ("n", 0, ">= 1"),
     ("stop_sequences", [[1, -2]], "token ids >= 0"), ("stop_sequences", [[]], "non-empty"),
-    ("stop_token_ids", 5, "a list"),
+    ("stop_token_ids", 5, "a list"), ("min_tokens", -1, ">= 0"),
+    ("logit_bias", {-1: 1.0}, "token ids >= 0"), ("logit_bias", 5, "a list"),
 ])
 def test_out_of_range_values_are_rejected_naming_field_value_and_range(field, value, allowed):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=.* is out of range; allowed: {allowed}"):
         SamplingParams(**{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("top_k", 1.5), ("max_new_tokens", 3.5), ("n", True)])
+@pytest.mark.parametrize("field, value", [("top_k", 1.5), ("max_new_tokens", 3.5), ("n", True),
+                                          ("min_tokens", 2.0)])
 def test_non_integer_values_are_rejected_as_such(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}={value!r} is not an integer"):
         SamplingParams(**{field: value})
@@ -298,6 +308,40 @@ def test_non_integer_values_are_rejected_as_such(field, value):
 def test_unknown_option_raises():
     with pytest.raises(TypeError, match="unexpected keyword argument 'top_q'"):
         SamplingParams(top_q=0.9)
+
+
+def test_logit_bias_is_stored_as_sorted_pairs_and_checked_per_entry():
+    a = SamplingParams(logit_bias={9: -1, 3: 2.5})
+    b = SamplingParams(logit_bias=[(3, 2.5), (9, -1.0)])
+    assert a.logit_bias == ((3, 2.5), (9, -1.0)) and a == b and hash(a) == hash(b)
+    for value, message in [
+        ({5: 100.5}, r"SamplingParams\.logit_bias\[5\]=100.5 is out of range; allowed: "
+                     r"\[-100, 100\]"),
+        ({5: float("inf")}, r"SamplingParams\.logit_bias\[5\]=inf is out of range"),
+        ({5: True}, r"SamplingParams\.logit_bias\[5\]=True is out of range"),
+        ({"5": 1.0}, r"SamplingParams\.logit_bias='5' is not an integer"),
+        ([(5, 1.0), (5, -2.0)], r"SamplingParams\.logit_bias gives token id 5 twice"),
+        ([(5,)], r"SamplingParams\.logit_bias entry \(5,\) is not a \(token id, bias\) pair"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(logit_bias=value)
+
+
+def test_min_tokens_above_max_new_tokens_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"^SamplingParams\.min_tokens=9 is more than "
+                                         r"max_new_tokens=8; allowed: 0 <= min_tokens <= "
+                                         r"max_new_tokens$"):
+        SamplingParams(min_tokens=9, max_new_tokens=8)
+    assert SamplingParams(min_tokens=8, max_new_tokens=8).min_tokens == 8
+
+
+def test_logit_bias_is_added_before_the_penalties():
+    """Token 0 (logit 4, in the prompt) biased by -2 under repetition penalty 2: biased first,
+    (4 - 2) / 2 = 1 beats token 1's 0.5; penalized first it would be 4 / 2 - 2 = 0 < 0.5."""
+    logits = jnp.array([[4.0, 0.5]])
+    sp = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={0: -2})
+    got = draws(logits, arrays(sp), jnp.array([[True, False]]), n_draws=1)
+    assert np.asarray(got).tolist() == [[0]]
 
 
 # ---------------------------------------------------------------------- exact distributions
@@ -462,3 +506,97 @@ def test_logprobs_on_a_vocabulary_smaller_than_twenty():
     with pytest.raises(ValueError, match=r"logprobs=6 asks for more alternatives than the "
                                          r"vocabulary has; allowed: \[0, 5\]"):
         generate(params, config, [[1, 2]], SamplingParams(logprobs=6, max_new_tokens=2))
+
+
+# ------------------------------------------------- logit_bias and min_tokens, end to end
+
+
+def engine_outputs(params, config, prompts, sampling, max_slots=2):
+    """`(tokens, finish_reason)` of each request run through the serving Engine (with fewer
+    slots than requests, some join while others decode)."""
+    eng = engine.Engine(params, config, max_slots=max_slots)
+    for i, (prompt, sp) in enumerate(zip(prompts, sampling)):
+        eng.add_request(str(i), prompt, sp)
+    final = {}
+    while eng.has_unfinished_requests():
+        final |= {o.request_id: o for o in eng.step() if o.finished}
+    return [(final[str(i)].token_ids, final[str(i)].finish_reason) for i in range(len(prompts))]
+
+
+def test_logit_bias_of_100_forces_a_token_and_of_minus_100_bans_one(config, params):
+    prompt = [3, 4, 5]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3)
+    ref, plain = (o.tokens for o in generate(params, config, [prompt] * 2, [greedy, sampled]))
+    assert_lively(ref) and assert_lively(plain)
+    top, top_sampled = (max(set(t), key=t.count) for t in (ref, plain))  # the most frequent
+    forced = next(t for t in range(config.vocab_size) if t not in ref + plain)
+    requests = [dataclasses.replace(greedy, logit_bias={top: -100}),
+                dataclasses.replace(greedy, logit_bias={forced: 100}),
+                dataclasses.replace(sampled, logit_bias={top_sampled: -100}),
+                dataclasses.replace(sampled, logit_bias={forced: 100, top_sampled: -100})]
+    outs = generate(params, config, [prompt] * 4, requests)
+    tokens = [o.tokens for o in outs]
+    assert tokens[0] != ref and top not in tokens[0]
+    assert tokens[2] != plain and top_sampled not in tokens[2]
+    assert tokens[1] == tokens[3] == [forced] * 24
+    assert engine_outputs(params, config, [prompt] * 4, requests) == \
+        [(o.tokens, o.finish_reason) for o in outs]
+
+
+def test_out_of_vocabulary_logit_bias_id_is_refused_before_compiling(config, params):
+    sp = SamplingParams(max_new_tokens=4, logit_bias={3: 1.0, 64: -5.0})
+    message = r"logit_bias id 64 is outside \[0, 64\) \(the model's vocab_size is 64\)$"
+    before = engine.compile_counts()
+    with pytest.raises(ValueError, match=r"^prompt 1: " + message):
+        generate(params, config, [[1], [2]], [SamplingParams(max_new_tokens=4), sp])
+    eng = engine.Engine(params, config, max_slots=2)
+    with pytest.raises(ValueError, match=r"^request 'r': " + message):
+        eng.add_request("r", [1, 2], sp)
+    assert not eng.has_unfinished_requests()
+    assert engine.compile_counts() == before
+
+
+def mixed_requests(config):
+    """Requests with logit_bias and min_tokens set (an EOS id the greedy row would emit at
+    once), greedy and sampled, beside plain ones."""
+    return [
+        SamplingParams(temperature=0.0, max_new_tokens=20, logit_bias={7: 3.0, 12: -2.5}),
+        SamplingParams(temperature=0.0, max_new_tokens=20, min_tokens=9, stop_token_ids=[1, 2]),
+        SamplingParams(temperature=0.9, max_new_tokens=20, seed=5, min_tokens=6,
+                       stop_token_ids=list(range(0, config.vocab_size, 3)),
+                       logit_bias={i: 4.0 for i in range(0, config.vocab_size, 3)}),
+        SamplingParams(temperature=0.7, top_k=20, max_new_tokens=12, seed=8),
+    ]
+
+
+def test_rows_with_logit_bias_and_min_tokens_are_batch_invariant(config, params):
+    prompts = [[3, 4, 5], [9], [20, 21, 22, 23, 24, 25, 26], [40, 41]]
+    sampling = mixed_requests(config)
+    batched = [(o.tokens, o.finish_reason) for o in generate(params, config, prompts, sampling)]
+    for prompt, sp, row in zip(prompts, sampling, batched):
+        (solo,) = generate(params, config, [prompt], sp)
+        assert (solo.tokens, solo.finish_reason) == row
+    assert engine_outputs(params, config, prompts, sampling) == batched
+    assert batched[2][1] == "eos" and len(batched[2][0]) > 6  # min_tokens held the EOS off
+
+
+def test_changing_logit_bias_and_min_tokens_values_compiles_nothing(config, params):
+    """One Engine slot: its programs' shapes (one decode row) do not depend on when requests
+    finish, so only the values change between runs."""
+    prompts = [[3, 4, 5], [9], [20, 21, 22, 23, 24, 25, 26], [40, 41]]
+    sampling = mixed_requests(config)
+    generate(params, config, prompts, sampling)  # warm-up: these shapes are compiled
+    engine_outputs(params, config, prompts, sampling, max_slots=1)
+    before = engine.compile_counts()
+    outputs = []
+    for bias, min_tokens in [({}, 0), ({5: -100.0}, 3), ({i: 2.0 for i in range(40)}, 19)]:
+        changed = [dataclasses.replace(sp, logit_bias=bias, min_tokens=min(min_tokens,
+                                                                          sp.max_new_tokens))
+                   for sp in sampling]
+        outs = generate(params, config, prompts, changed)
+        assert engine_outputs(params, config, prompts, changed, max_slots=1) == \
+            [(o.tokens, o.finish_reason) for o in outs]
+        outputs.append(tuple(tuple(o.tokens) for o in outs))
+    assert engine.compile_counts() == before
+    assert len(set(outputs)) == 3  # the values really differed

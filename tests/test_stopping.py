@@ -1,11 +1,16 @@
 """Stop conditions: EOS bookkeeping (case G15), token stop sequences in the compiled loop,
-and the text helpers behind stop strings."""
+min_tokens, and the text helpers behind stop strings."""
 
+import dataclasses
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import assert_lively
+from gpt_jax import forward
 from inference import engine, stopping
 from inference.sampling import SamplingParams
 
@@ -103,6 +108,16 @@ def test_find_stop_picks_the_first_completed_stop_string(text, stops, expected):
     assert stopping.find_stop(text, stops) == expected
 
 
+@pytest.mark.parametrize("text, stops, after, expected", [
+    ("abcdef", ("cd",), 3, (2, 4)),  # starts inside the first `after` characters, ends past
+    ("abcdef", ("cd",), 4, None),  # ends at `after`: does not count
+    ("abcdcd", ("cd",), 4, (4, 6)),  # the first occurrence that ends past it
+    ("abcdef", ("bcdef", "de"), 5, (1, 6)),
+])
+def test_find_stop_after_skips_occurrences_ending_inside_min_tokens(text, stops, after, expected):
+    assert stopping.find_stop(text, stops, after) == expected
+
+
 @pytest.mark.parametrize("text, stops, expected", [
     ("hello wor", ("world",), 3), ("hello", ("world",), 0), ("abcab", ("abx", "cabz"), 3),
     ("w", ("world",), 1), ("", ("world",), 0),
@@ -149,3 +164,95 @@ def _run_one(params, config, prompt, sampling, run):
     while eng.has_unfinished_requests():
         final = next((o for o in eng.step() if o.finished), final)
     return final.token_ids, final.finish_reason
+
+
+# ------------------------------------------------------------------------------ min_tokens
+
+
+def test_ban_early_eos_bans_only_a_rows_eos_ids_and_only_while_early():
+    stops = stopping.StopArrays.from_lists([9, 9, 9], [(2,), (2, 3), ()], [(), (), ()],
+                                           min_tokens=[3, 3, 3])
+    assert stops.stop_token_ids.shape == (3, 4)  # UNUSED padding, which must ban nothing
+    out = np.asarray(stopping.ban_early_eos(jnp.zeros((3, 6)), jnp.array([2, 3, 0]), stops))
+    assert np.isinf(out[0, 2]) and np.isfinite(np.delete(out[0], 2)).all()  # step 2 < 3
+    assert (out[1:] == 0).all()  # row 1 has reached its min_tokens; row 2 has no EOS ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("min_tokens, reason", [(2, "eos"), (3, "length")])
+def test_min_tokens_bans_an_eos_up_to_its_boundary(config, params, temperature, min_tokens,
+                                                   reason):
+    """forced_eos_model makes EOS certain for row 0's token at index 2: min_tokens 2 allows it
+    there (2 tokens before it), min_tokens 3 bans it, and the row runs to its length."""
+    sampling = SamplingParams(temperature=temperature, seed=1, max_new_tokens=6,
+                              stop_token_ids=[EOS], min_tokens=min_tokens, logprobs=1)
+    batch, state = run_state(params, config, sampling)
+    out = engine.unpack(batch, state)
+    assert out[0].finish_reason == reason
+    if reason == "eos":
+        assert len(out[0].tokens) == 3 and out[0].tokens[2] == EOS
+    else:
+        assert len(out[0].tokens) == 6 and EOS not in out[0].tokens
+        assert out[0].logprobs[2] < -100  # log-probs are the model's: EOS was its choice
+    assert len(out[1].tokens) == 6 and out[1].finish_reason == "length"
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _last_logits(params, tokens_T, length, config):
+    return forward(params, tokens_T[None], config)[0, length - 1]
+
+
+def greedy_with_min_tokens(params, config, prompt, eos, min_tokens, max_new_tokens):
+    """The rule written out, by full recomputation: greedy, the EOS id excluded while fewer
+    than min_tokens tokens have been generated, the row ending at an EOS after that."""
+    tokens = []
+    while len(tokens) < max_new_tokens:
+        sequence = prompt + tokens
+        padded = jnp.asarray(sequence + [0] * (config.max_seq_len - len(sequence)))
+        logits = np.array(_last_logits(params, padded, len(sequence), config))
+        if len(tokens) < min_tokens:
+            logits[eos] = -np.inf
+        tokens.append(int(np.argmax(logits)))
+        if tokens[-1] == eos:
+            return tokens, "eos"
+    return tokens, "length"
+
+
+@pytest.mark.parametrize("run", ["generate", "engine"])
+def test_an_eos_inside_min_tokens_does_not_stop_the_row(config, params, run):
+    """Greedy, the EOS id is the row's second token: without min_tokens the row ends there;
+    with min_tokens 8 it runs on (the EOS never appears among its first 8 tokens), exactly as
+    greedy decoding that skips the EOS while fewer than 8 tokens exist."""
+    outputs = engine.generate(params, config, CANDIDATES,
+                              SamplingParams(temperature=0.0, max_new_tokens=24))
+    prompt, ref = next((p, o.tokens) for p, o in zip(CANDIDATES, outputs)
+                       if o.tokens[1] != o.tokens[0])
+    eos = ref[1]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=[eos],
+                              min_tokens=8)
+    expected = greedy_with_min_tokens(params, config, prompt, eos, 8, 24)
+    assert eos not in expected[0][:8] and len(expected[0]) > 8
+    assert _run_one(params, config, prompt, sampling, run) == expected
+    assert _run_one(params, config, prompt, dataclasses.replace(sampling, min_tokens=0),
+                    run) == (ref[:2], "eos")
+
+
+@pytest.mark.parametrize("run", ["generate", "engine"])
+def test_a_stop_sequence_completed_inside_min_tokens_does_not_count(config, params, run):
+    """A token stop sequence seen once in the greedy output, completed by the token at index
+    j + 1: min_tokens j + 1 lets it stop the row (cut), j + 2 does not (the row runs to its
+    length; greedy tokens do not depend on stop sequences)."""
+    outputs = engine.generate(params, config, CANDIDATES,
+                              SamplingParams(temperature=0.0, max_new_tokens=24))
+    for prompt, out in zip(CANDIDATES, outputs):
+        g = out.tokens
+        pairs = [tuple(g[i:i + 2]) for i in range(23)]
+        j = next((j for j in range(3, 20) if pairs.count(pairs[j]) == 1), None)
+        if j is not None:
+            break
+    assert j is not None, "no greedy output has a pair of tokens seen once"
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=24, stop_sequences=[g[j:j + 2]])
+    assert _run_one(params, config, prompt, dataclasses.replace(sampling, min_tokens=j + 1),
+                    run) == (g[:j], "stop")
+    assert _run_one(params, config, prompt, dataclasses.replace(sampling, min_tokens=j + 2),
+                    run) == (g, "length")
