@@ -7,7 +7,8 @@ r"""`gpt-jax serve`: an OpenAI-compatible HTTP server on the serving `Engine`.
 or any OpenAI client: `openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)`.
 
 Endpoints (the OpenAI API reference for /v1/completions, vLLM's server for the extra
-sampling fields `top_k`, `min_p`, `repetition_penalty`, `min_tokens`):
+sampling fields `top_k`, `min_p`, `repetition_penalty`, `min_tokens`; an EOS sampled ends a
+completion with finish_reason "stop", as OpenAI reports it):
   POST /v1/completions       prompt: text, a list of texts, token ids or lists of token ids;
                              `stream: true` answers with Server-Sent Events ending `[DONE]`
   POST /v1/chat/completions  a 400 error: these models have no chat template
@@ -34,6 +35,7 @@ import contextlib
 import dataclasses
 import json
 import queue
+import re
 import secrets
 import threading
 import time
@@ -92,6 +94,8 @@ class CompletionRequest(BaseModel):
     top_k: Optional[int] = Field(0, ge=-1)  # vLLM: -1 or 0 = off
     min_p: Optional[float] = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: Optional[float] = Field(1.0, gt=0.0)
+    min_tokens: Optional[int] = Field(0, ge=0)
+    logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias
 
 
 class APIError(Exception):
@@ -137,6 +141,12 @@ def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingPa
         raise APIError(400, f"best_of={body.best_of} is not supported; only best_of = n "
                             f"({n})", param="best_of")
     pick = lambda value, default: default if value is None else value  # noqa: E731
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias key {key!r} is not a token id; allowed: token ids "
+                                "as strings of digits", param="logit_bias")
+        bias[int(key)] = value
     try:
         return SamplingParams(
             temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
@@ -146,11 +156,12 @@ def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingPa
             frequency_penalty=pick(body.frequency_penalty, 0.0), seed=body.seed,
             max_new_tokens=pick(body.max_tokens, 16), n=n, logprobs=body.logprobs,
             stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
-            stop_token_ids=[] if eos_token_id is None else [eos_token_id])
+            stop_token_ids=[] if eos_token_id is None else [eos_token_id],
+            min_tokens=pick(body.min_tokens, 0), logit_bias=bias)
     except ValueError as error:  # name the API's field, not ours
-        message = str(error).replace("SamplingParams.max_new_tokens", "max_tokens")
-        message = message.replace("SamplingParams.", "")
-        raise APIError(400, message, param=message.split("=")[0]) from None
+        message = str(error).replace("SamplingParams.", "").replace("max_new_tokens",
+                                                                    "max_tokens")
+        raise APIError(400, message, param=re.split(r"[=\[ ]", message)[0]) from None
 
 
 # ---------------------------------------------------------------------- the engine thread
@@ -476,8 +487,10 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
         try:
             validate(engine.config, prompts, sampling)
         except ValueError as error:
-            raise APIError(400, str(error), param="prompt",
-                           code="context_length_exceeded" if "max_seq_len" in str(error)
+            message = str(error)
+            raise APIError(400, message,
+                           param="logit_bias" if "logit_bias" in message else "prompt",
+                           code="context_length_exceeded" if "max_seq_len" in message
                            else None) from None
         for p in prompts:
             need = pages_for(len(p) + sampling.max_new_tokens, engine.page_size)

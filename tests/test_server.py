@@ -161,6 +161,20 @@ def test_token_id_prompts_and_models(client, llm, config):
     assert models[0].model_extra["max_model_len"] == config.max_seq_len
 
 
+def test_logit_bias_and_min_tokens_reach_the_sampler(client, llm):
+    forced = client.completions.create(model="tiny", prompt="AB", max_tokens=6,
+                                       logit_bias={str(TOKENIZER.encode("Z")[0]): 100})
+    assert forced.choices[0].text == "Z" * 6
+    ref = solo(llm, "ABCD", max_new_tokens=30, temperature=0.0)[0].text
+    stop = ref[3:5]  # met at token 5, ignored inside min_tokens = 10
+    kept = solo(llm, "ABCD", max_new_tokens=30, temperature=0.0, stop=[stop], min_tokens=10)
+    r = client.completions.create(model="tiny", prompt="ABCD", max_tokens=30, temperature=0,
+                                  stop=stop, extra_body={"min_tokens": 10})
+    assert r.choices[0].text == kept[0].text and len(kept[0].text) > 5
+    assert r.choices[0].finish_reason == ("stop" if kept[0].finish_reason == "stop" else
+                                          "length")
+
+
 # ---------------------------------------------------------------------- 2. under load
 
 def test_64_concurrent_streams_each_equal_its_solo_result(url, llm):
@@ -215,6 +229,10 @@ def error_of(response) -> dict:
     ("seed", -3, "greater than or equal to 0"),
     ("presence_penalty", 3, "less than or equal to 2"),
     ("stop", [""], "non-empty strings"),
+    ("logit_bias", {"3": 101}, "[-100, 100]"),
+    ("logit_bias", {"64": 1}, "vocab_size is 64"),
+    ("logit_bias", {"x": 1}, "not a token id"),
+    ("min_tokens", 20, "max_tokens=16"),
     ("temprature", 0.5, "unknown field"),
 ])
 def test_a_bad_field_is_a_400_naming_it_and_what_is_allowed(url, field, value, allowed):
@@ -224,7 +242,7 @@ def test_a_bad_field_is_a_400_naming_it_and_what_is_allowed(url, field, value, a
     error = error_of(r)
     assert error["param"] == field and error["type"] == "invalid_request_error"
     assert allowed in error["message"]
-    if field != "temprature":
+    if field not in ("temprature", "logit_bias"):
         assert f"{field}=" in error["message"]
 
 
