@@ -532,7 +532,7 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
                 raise APIError(400, str(error), param="prompt")
             raise APIError(500, f"the engine failed: {error!r}", "server_error")
         if body.stream:
-            return EventSourceResponse(context.events(first), sep="\n",
+            return EventSourceResponse(await _started(context.events(first)), sep="\n",
                                        shutdown_grace_period=cfg.shutdown_timeout)
         try:
             return await context.collect(first, request)
@@ -540,6 +540,22 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
             context.close()
 
     return app
+
+
+async def _started(events):
+    """`events` with its first item already taken: a started generator that is never resumed
+    (the client left before the response began) is closed when collected, so its `finally`
+    (abort, release) runs; one never started would skip it."""
+    head = await events.__anext__()
+
+    async def chained():
+        try:
+            yield head
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+    return chained()
 
 
 async def _unless_disconnected(awaitable, request: Request):
