@@ -163,6 +163,34 @@ def figures(records: list[dict]) -> dict:
                               if r not in ok})[:3]}
 
 
+SPY_HZ = 100  # py-spy samples per second
+
+
+def profile_summary(raw: Path, tokens: int) -> dict:
+    """From py-spy's raw (collapsed) stacks of the gpt-jax server (threads that hold or wait
+    for the GIL; a thread inside XLA or waiting idle is not sampled): seconds each thread
+    ran Python, and the event loop's milliseconds per generated token by what it ran, the
+    leaf-most known frame deciding (SSE, JSON, HTTP, our handler, asyncio itself)."""
+    kinds = (("sse_starlette", "sse"), ("json/", "json"), ("starlette/", "http"),
+             ("fastapi/", "http"), ("uvicorn/", "http"), ("h11", "http"),
+             ("httptools", "http"), ("inference/server.py", "handler"), ("asyncio/", "asyncio"))
+    threads: dict[str, float] = {}
+    parts = dict.fromkeys(("sse", "json", "http", "handler", "asyncio", "other"), 0.0)
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        seconds = int(count) / SPY_HZ
+        thread, *frames = stack.split(";")
+        name = thread.split(": ", 1)[-1]
+        threads[name] = threads.get(name, 0.0) + seconds
+        if name == "MainThread":
+            kind = next((k for f in reversed(frames) for key, k in kinds if key in f), "other")
+            parts[kind] += seconds
+    return {"python_busy_s_by_thread": threads,
+            "event_loop_ms_per_token": {k: 1e3 * v / max(1, tokens) for k, v in parts.items()}}
+
+
 def run_server(name: str, args) -> list[dict]:
     port = free_port()
     proc = start(name, args, port)
@@ -174,9 +202,22 @@ def run_server(name: str, args) -> list[dict]:
         warm = [(0.0, p, m) for _, p, m in workload(args, 1.0, seed=99)[:4]]
         asyncio.run(replay(base, model, warm, args.time_limit))
         for rate in args.rates:
+            spy = None
+            if args.profile and name == "gpt-jax" and rate == max(args.rates):
+                raw = args.log_dir / "py-spy.txt"
+                spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record",
+                                        "--pid", str(proc.pid), "--format", "raw", "--threads",
+                                        "--rate", str(SPY_HZ), "--output", str(raw)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             records = asyncio.run(replay(base, model, workload(args, rate, seed=0),
                                          args.time_limit))
             row = {"server": name, "rate": rate, **figures(records)}
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+                tokens = sum(r["max_tokens"] for r in records if r["error"] is None)
+                args.profile_result = profile_summary(raw, tokens)
+                print(args.profile_result, flush=True)
             print({k: v for k, v in row.items()}, flush=True)
             rows.append(row)
     finally:
@@ -215,18 +256,22 @@ def main(argv=None) -> None:
     p.add_argument("--time-limit", type=float, default=600.0,
                    help="seconds a rate's requests may take in all")
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--profile", action="store_true",
+                   help="sample gpt-jax serve with py-spy at the highest rate (pip install "
+                        "py-spy): where the event loop spends its time per token")
     p.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) /
                    "gpt-jax-bench-serve-model")
     args = p.parse_args(argv)
     args.model_dir = model_dir(args.model_dir, args.vocab_size)
     args.log_dir = Path(tempfile.mkdtemp(prefix="gpt-jax-bench-serve-"))
+    args.profile_result = None
     print(f"model: {args.model_dir}; server logs: {args.log_dir}", flush=True)
     rows = [row for name in args.servers for row in run_server(name, args)]
     for row in rows:
         row["errors"] = "; ".join(row["errors"])
     extra = {"workload": {k: getattr(args, k) for k in (
         "requests", "prompt_min", "prompt_max", "out_min", "out_max", "max_slots",
-        "vocab_size")}}
+        "vocab_size")}, "profile": args.profile_result}
     save("serve-load", rows, plot, extra)
 
 
