@@ -595,14 +595,18 @@ class _Completion:
         if len(self.done) < self.samples and self.server.loop is not None:
             self.server.loop.abort([s.request_id for s in self.subs])
 
-    def _index(self, i: int, out: RequestOutput) -> int:
-        return i * self.n + out.sample_index
-
-    def _next_item(self, item):
+    def _record(self, item, outs: dict[int, RequestOutput]) -> tuple[int, RequestOutput]:
+        """An engine output `(prompt index, RequestOutput)` (an error is raised) as its choice
+        index (prompts in order, the n samples of each consecutively, as OpenAI orders
+        choices), kept in `outs` and marked done when finished."""
         i, out = item
         if isinstance(out, BaseException):
             raise out
-        return i, out
+        k = i * self.n + out.sample_index
+        outs[k] = out
+        if out.finished:
+            self.done.add(k)
+        return k, out
 
     def _usage(self, outs: dict[int, RequestOutput]) -> dict:
         prompt = sum(len(s.prompt) for s in self.subs)
@@ -615,11 +619,7 @@ class _Completion:
         outs: dict[int, RequestOutput] = {}
         item = first
         while True:
-            i, out = self._next_item(item)
-            k = self._index(i, out)
-            outs[k] = out
-            if out.finished:
-                self.done.add(k)
+            self._record(item, outs)
             if len(self.done) == self.samples:
                 break
             item = await _unless_disconnected(self.results.get(), request)
@@ -645,11 +645,7 @@ class _Completion:
         item = first
         try:
             while True:
-                i, out = self._next_item(item)
-                k = self._index(i, out)
-                outs[k] = out
-                if out.finished:
-                    self.done.add(k)
+                k, out = self._record(item, outs)
                 start = sent_tokens.get(k, 0)
                 if out.new_text or out.finished or (want and len(out.token_ids) > start):
                     chunk = {"index": k, "text": out.new_text or "",
