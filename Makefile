@@ -38,4 +38,4 @@ test: $(VENV)/.test-installed $(VENV)/.browser-installed
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info .pytest_cache  # .pytest_cache holds the tests' compilation cache
