@@ -51,6 +51,7 @@ import numpy as np
 from flax import struct
 
 MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for
+INT32_MAX = 2**31 - 1  # integer fields become int32 arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,7 @@ class SamplingParams:
             _as_tuple("stop_sequences", q) for q in _as_tuple("stop_sequences", self.stop_sequences)
         ))
         _check_real("temperature", self.temperature, 0.0, math.inf, "[0, inf)")
-        _check_int("top_k", self.top_k, 0, None, ">= 0 (0 = off)")
+        _check_int("top_k", self.top_k, 0, INT32_MAX, f"[0, {INT32_MAX}] (0 = off)")
         _check_real("top_p", self.top_p, 0.0, 1.0, "[0, 1]")
         _check_real("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
         _check_real("repetition_penalty", self.repetition_penalty, 1e-6, math.inf, "(0, inf)")
@@ -109,7 +110,8 @@ class SamplingParams:
         _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, 2**32 - 1, "None or [0, 2**32 - 1]")
-        _check_int("max_new_tokens", self.max_new_tokens, 0, None, ">= 0")
+        _check_int("max_new_tokens", self.max_new_tokens, 0, INT32_MAX,
+                   f"[0, {INT32_MAX}]")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, 0, None, "token ids >= 0")
         for s in self.stop:
@@ -124,8 +126,8 @@ class SamplingParams:
                 _check_int("stop_sequences", token_id, 0, None, "token ids >= 0")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"None or [0, {MAX_LOGPROBS}]")
-        _check_int("n", self.n, 1, None, ">= 1")
-        _check_int("min_tokens", self.min_tokens, 0, None, ">= 0")
+        _check_int("n", self.n, 1, INT32_MAX, f"[1, {INT32_MAX}]")
+        _check_int("min_tokens", self.min_tokens, 0, INT32_MAX, f"[0, {INT32_MAX}]")
         if self.min_tokens > self.max_new_tokens:
             raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} is more than "
                              f"max_new_tokens={self.max_new_tokens}; allowed: "

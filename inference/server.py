@@ -72,14 +72,14 @@ class CompletionRequest(BaseModel):
     sent as null takes its default. Unknown fields are refused, so a misspelt one is named
     instead of silently ignored."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "5" or true is not an int
 
     model: Optional[str] = None
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=0)
+    max_tokens: Optional[int] = Field(16, ge=0, le=2**31 - 1)
     temperature: Optional[float] = Field(1.0, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(1.0, ge=0.0, le=1.0)
-    n: Optional[int] = Field(1, ge=1)
+    n: Optional[int] = Field(1, ge=1, le=2**31 - 1)
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = Field(None, ge=0, le=2**32 - 1)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -91,17 +91,17 @@ class CompletionRequest(BaseModel):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     user: Optional[str] = None
-    top_k: Optional[int] = Field(0, ge=-1)  # vLLM: -1 or 0 = off
+    top_k: Optional[int] = Field(0, ge=-1, le=2**31 - 1)  # vLLM: -1 or 0 = off
     min_p: Optional[float] = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: Optional[float] = Field(1.0, gt=0.0)
-    min_tokens: Optional[int] = Field(0, ge=0)
+    min_tokens: Optional[int] = Field(0, ge=0, le=2**31 - 1)
     logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias
 
 
 class APIError(Exception):
     """An error answered in OpenAI's JSON shape."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(message)
@@ -115,13 +115,24 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+SHAPES = {"prompt": "a string, a list of strings, a list of token ids (integers) or a list "
+                    "of lists of token ids",
+          "stop": "a non-empty string or a list of them",
+          "logit_bias": "an object mapping token ids (strings of digits) to numbers in "
+                        "[-100, 100]"}  # what a field of several shapes may be
+
+
 def _validation_error(error: ValidationError | RequestValidationError) -> APIError:
     """The first pydantic error as a 400 naming the field, the value and what is allowed."""
     first = error.errors()[0]
     loc = [str(p) for p in first["loc"] if p != "body"]
     if first["type"] == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first['msg']}")
-    param = ".".join(p for p in loc if not p.isdigit()) or None
+    if not loc:
+        return APIError(400, "the request body must be a JSON object of completion fields")
+    param = loc[0]
+    if param in SHAPES:
+        return APIError(400, f"{param} must be {SHAPES[param]}", param=param)
     if first["type"] == "missing":
         return APIError(400, f"'{param}' is required", param=param)
     if first["type"] == "extra_forbidden":
@@ -133,7 +144,8 @@ def _validation_error(error: ValidationError | RequestValidationError) -> APIErr
 def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingParams:
     """SamplingParams of a request. Raises APIError for a field we do not support."""
     if body.echo:
-        raise APIError(400, "echo=true is not supported; the prompt is not returned", "echo")
+        raise APIError(400, "echo=true is not supported; the prompt is not returned",
+                       param="echo")
     if body.suffix:
         raise APIError(400, "suffix is not supported (no insertion models)", param="suffix")
     n = 1 if body.n is None else body.n
@@ -143,7 +155,7 @@ def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingPa
     pick = lambda value, default: default if value is None else value  # noqa: E731
     bias = {}
     for key, value in (body.logit_bias or {}).items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):
             raise APIError(400, f"logit_bias key {key!r} is not a token id; allowed: token ids "
                                 "as strings of digits", param="logit_bias")
         bias[int(key)] = value
@@ -285,7 +297,7 @@ class EngineLoop:
                 for sub in arg:
                     self.engine.add_request(sub.request_id, sub.prompt, sub.sampling)
                     added.append(sub)
-            except (ValueError, TypeError) as error:
+            except Exception as error:  # a bad request (or a bug): that request fails only
                 for sub in added:
                     self.engine.abort(sub.request_id)
                 arg[0].deliver(error)
@@ -330,6 +342,7 @@ class ServerConfig:
     max_queue: int = 256  # most samples waiting beyond the engine's slots before 429
     eos_token_id: int | None = None  # ends a completion (finish_reason "stop") when sampled
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for requests in flight
+    max_body_bytes: int = 8 << 20  # a larger request body is refused (413) unread
 
 
 class Server:
@@ -356,12 +369,14 @@ class Server:
     def engine(self) -> Engine:
         """The engine, or APIError 503 while loading (or 500 if loading or a step failed)."""
         if self.load_error is not None:
-            raise APIError(500, f"the model failed to load: {self.load_error}", "server_error")
+            raise APIError(500, f"the model failed to load: {self.load_error}",
+                           type_="server_error")
         if self.loop is None:
-            raise APIError(503, "the model is loading; retry shortly", "service_unavailable",
+            raise APIError(503, "the model is loading; retry shortly", type_="service_unavailable",
                            headers={"Retry-After": "2"})
         if self.loop.error is not None:
-            raise APIError(500, f"the engine failed: {self.loop.error!r}", "server_error")
+            raise APIError(500, f"the engine failed: {self.loop.error!r}",
+                           type_="server_error")
         return self.loop.engine
 
     def check_key(self, request: Request) -> None:
@@ -386,9 +401,13 @@ def _prompts(body: CompletionRequest, engine: Engine) -> list[list[int]]:
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
         p = [p]
     if not p:
-        raise APIError(400, "prompt is an empty list; give at least one prompt", "prompt")
+        raise APIError(400, "prompt is an empty list; give at least one prompt",
+                       param="prompt")
     out = []
     for item in p:
+        if not item:
+            raise APIError(400, "a prompt is empty; each prompt needs at least one token",
+                           param="prompt")
         if isinstance(item, str):
             try:
                 out.append(engine.tokenizer.encode(item))
@@ -431,6 +450,10 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
     async def api_error(request, error: APIError):
         return error.response()
 
+    @app.exception_handler(Exception)
+    async def internal_error(request, error: Exception):
+        return APIError(500, f"internal error: {error!r}", type_="server_error").response()
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, error):
         return _validation_error(error).response()
@@ -439,7 +462,7 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
     async def http_error(request, error):
         kind = "not_found" if error.status_code == 404 else "invalid_request_error"
         return APIError(error.status_code, f"{request.method} {request.url.path}: "
-                                           f"{error.detail}", kind).response()
+                                           f"{error.detail}", type_=kind).response()
 
     @app.get("/health")
     async def health():
@@ -463,6 +486,12 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
             "id": cfg.model_name, "object": "model", "created": 0, "owned_by": "gpt-jax",
             "max_model_len": engine.config.max_seq_len}]}
 
+    @app.get("/v1/models/{model}")
+    async def model(model: str, request: Request):
+        listed = (await models(request))["data"][0]
+        server.check_model(model)
+        return listed
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         server.check_key(request)
@@ -475,19 +504,22 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
         arrival = time.monotonic()
         server.check_key(request)
         engine = server.engine()
+        raw = await _body(request, cfg.max_body_bytes)
         try:
-            body = CompletionRequest.model_validate_json(await request.body())
+            body = CompletionRequest.model_validate_json(raw)
         except ValidationError as error:
             raise _validation_error(error) from None
         server.check_model(body.model)
         sampling = to_sampling(body, cfg.eos_token_id)
         if engine.tokenizer is None and not isinstance(body.prompt, list):
             raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
-        prompts = _prompts(body, engine)
+        prompts = await asyncio.to_thread(_prompts, body, engine)  # long text: off the loop
         try:
             validate(engine.config, prompts, sampling)
         except ValueError as error:
-            message = str(error)
+            message = str(error).replace("max_new_tokens", "max_tokens")
+            if "logit_bias" in message:
+                message = re.sub(r"^prompt \d+: ", "", message)
             raise APIError(400, message,
                            param="logit_bias" if "logit_bias" in message else "prompt",
                            code="context_length_exceeded" if "max_seq_len" in message
@@ -507,7 +539,7 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
         if server.outstanding and server.outstanding + samples > capacity:
             raise APIError(429, f"the queue is full ({server.outstanding} completions in "
                                 f"flight, at most {capacity}); retry later",
-                           "rate_limit_error", code="rate_limit_exceeded",
+                           type_="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"})
 
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -530,7 +562,7 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
             error = first[1]
             if isinstance(error, (ValueError, TypeError)):
                 raise APIError(400, str(error), param="prompt")
-            raise APIError(500, f"the engine failed: {error!r}", "server_error")
+            raise APIError(500, f"the engine failed: {error!r}", type_="server_error")
         if body.stream:
             return EventSourceResponse(await _started(context.events(first)), sep="\n",
                                        shutdown_grace_period=cfg.shutdown_timeout)
@@ -540,6 +572,22 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
             context.close()
 
     return app
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, or APIError 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {declared} bytes; at most {limit}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body exceeds {limit} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _started(events):
@@ -645,7 +693,13 @@ class _Completion:
         item = first
         try:
             while True:
-                k, out = self._record(item, outs)
+                try:
+                    k, out = self._record(item, outs)
+                except Exception as error:  # the engine failed: say so in the stream
+                    yield {"data": json.dumps({"error": {
+                        "message": f"the engine failed: {error!r}", "type": "server_error",
+                        "param": None, "code": None}})}
+                    break
                 start = sent_tokens.get(k, 0)
                 if out.new_text or out.finished or (want and len(out.token_ids) > start):
                     chunk = {"index": k, "text": out.new_text or "",

@@ -286,11 +286,13 @@ def test_g20_every_option_changes_the_draws(dtype, option, on, seen, counts, cha
     ("top_p", 1.01, r"\[0, 1\]"), ("min_p", -0.1, r"\[0, 1\]"),
     ("repetition_penalty", 0.0, r"\(0, inf\)"), ("presence_penalty", 2.5, r"\[-2, 2\]"),
     ("frequency_penalty", -3.0, r"\[-2, 2\]"), ("seed", -1, r"None or \[0, 2\*\*32 - 1\]"),
-    ("seed", 2**32, r"None or \[0, 2\*\*32 - 1\]"), ("max_new_tokens", -1, ">= 0"),
+    ("seed", 2**32, r"None or \[0, 2\*\*32 - 1\]"),
+    ("max_new_tokens", -1, r"\[0, 2147483647\]"), ("max_new_tokens", 2**31, r"\[0, 2147483647\]"),
+    ("top_k", 2**31, r"\[0, 2147483647\] \(0 = off\)"), ("n", 2**40, r"\[1, 2147483647\]"),
     ("stop_token_ids", [-3], "token ids >= 0"), ("stop", [""], "non-empty strings"),
-    ("logprobs", 21, r"None or \[0, 20\]"), ("n", 0, ">= 1"),
+    ("logprobs", 21, r"None or \[0, 20\]"), ("n", 0, r"\[1, 2147483647\]"),
     ("stop_sequences", [[1, -2]], "token ids >= 0"), ("stop_sequences", [[]], "non-empty"),
-    ("stop_token_ids", 5, "a list"), ("min_tokens", -1, ">= 0"),
+    ("stop_token_ids", 5, "a list"), ("min_tokens", -1, r"\[0, 2147483647\]"),
     ("logit_bias", {-1: 1.0}, "token ids >= 0"), ("logit_bias", 5, "a list"),
 ])
 def test_out_of_range_values_are_rejected_naming_field_value_and_range(field, value, allowed):

@@ -157,7 +157,9 @@ def test_token_id_prompts_and_models(client, llm, config):
                                   max_tokens=12, temperature=0)
     assert [c.text for c in r.choices] == [ref[0].text] * 2
     models = client.models.list().data
-    assert [m.id for m in models] == ["tiny"]
+    assert [m.id for m in models] == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     assert models[0].model_extra["max_model_len"] == config.max_seq_len
 
 
@@ -234,6 +236,12 @@ def error_of(response) -> dict:
     ("logit_bias", {"x": 1}, "not a token id"),
     ("min_tokens", 20, "max_tokens=16"),
     ("temprature", 0.5, "unknown field"),
+    ("top_k", 2**31, "less than or equal to 2147483647"),  # once crashed the engine thread
+    ("logit_bias", {"\u00b2": 1}, "not a token id"),  # '²'.isdigit() but not int('²')
+    ("max_tokens", "5", "valid integer"), ("max_tokens", True, "valid integer"),
+    ("stream", "yes", "valid boolean"),
+    ("prompt", [1.5], "a list of token ids"), ("stop", [None], "a list of them"),
+    ("echo", True, "not supported"),
 ])
 def test_a_bad_field_is_a_400_naming_it_and_what_is_allowed(url, field, value, allowed):
     r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
@@ -242,7 +250,7 @@ def test_a_bad_field_is_a_400_naming_it_and_what_is_allowed(url, field, value, a
     error = error_of(r)
     assert error["param"] == field and error["type"] == "invalid_request_error"
     assert allowed in error["message"]
-    if field not in ("temprature", "logit_bias"):
+    if field not in ("temprature", "logit_bias", "prompt", "stop", "echo"):
         assert f"{field}=" in error["message"]
 
 
@@ -263,6 +271,13 @@ def test_request_errors_have_openai_shape(url, config):
     assert missing.status_code == 400 and error_of(missing)["param"] == "prompt"
     bad_json = httpx.post(f"{url}/v1/completions", content=b"{not json", headers=auth)
     assert bad_json.status_code == 400 and "JSON" in error_of(bad_json)["message"]
+    not_object = post([1, 2])
+    assert not_object.status_code == 400 and "JSON object" in error_of(not_object)["message"]
+    empty = post({"prompt": ["AB", ""]})
+    assert empty.status_code == 400 and "empty" in error_of(empty)["message"]
+    huge = httpx.post(f"{url}/v1/completions", headers=auth,
+                      content=b'{"prompt": "' + b"A" * (9 << 20) + b'"}')
+    assert huge.status_code == 413 and error_of(huge)["code"] == "request_too_large"
     model = post({"model": "gpt-4", "prompt": "AB"})
     assert model.status_code == 404 and error_of(model)["code"] == "model_not_found"
     for headers in ({}, {"Authorization": "Bearer wrong"}):
