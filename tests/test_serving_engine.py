@@ -3,6 +3,9 @@ running batch at random steps, get preempted, share prefix pages or are prefille
 produce exactly what they produce alone; pages all come back; compiles stay bounded; bad
 requests are refused before they are queued while the engine keeps serving."""
 
+import logging
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -172,13 +175,23 @@ def test_a_random_workload_compiles_at_most_12_programs(config, params):
     assert 2 <= compiled <= 12, (before, after)
 
 
-def test_after_warmup_serving_compiles_nothing(config, params):
+def test_after_warmup_serving_compiles_nothing(config, params, caplog):
+    """Neither a new trace (compile_counts) nor a new XLA compile of a traced program (an
+    argument committed to a device where warmup's was not once compiled the first prefill
+    again, seconds into the first request)."""
     rng = np.random.default_rng(5)
     engine = Engine(params, config, max_slots=4, max_prefill_tokens=32)
     engine.warmup()
     before = compile_counts()
-    run_engine(engine, random_requests(config, rng, 24, text=False), rng)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        engine.add_request("first", [1, 2, 3], SamplingParams(max_new_tokens=3))
+        while engine.has_unfinished_requests():  # warmup's first program: one short prompt
+            engine.step()
+        run_engine(engine, random_requests(config, rng, 24, text=False), rng)
     assert compile_counts() == before
+    compiled = [r.getMessage()[:40] for r in caplog.records
+                if r.getMessage().startswith("Compiling jit(engine_")]
+    assert compiled == []
     with pytest.raises(RuntimeError, match="before adding requests"):
         engine.add_request("x", [1], SamplingParams(max_new_tokens=30))
         engine.warmup()
