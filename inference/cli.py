@@ -6,7 +6,9 @@ Usage:
   gpt-jax generate --hf-checkpoint DIR --prompt "Hello" --temperature 0
   gpt-jax generate --hf-checkpoint DIR --prompt-ids 464,2068 --prompt-ids 40
 
-Every SamplingParams field is a flag. Text is printed as it streams (one completion after
+Every SamplingParams field is a flag. Past the model's context each token is predicted from
+the last max_seq_len tokens, as nanoGPT's sample.py does (--context-overflow crop, the
+default; error refuses such a request). Text is printed as it streams (one completion after
 another); --json instead prints one JSON list, a completion per prompt and sample, with
 tokens, text, finish reason, seed and (with --logprobs N) log-probabilities.
 

@@ -25,6 +25,13 @@ Every decode step feeds each running row the token it sampled last and samples i
 (`decode_one`); a prefill ends by sampling each row's first token (`sample_and_record`), so
 the first token comes with the prefill.
 
+Past the context (`SamplingParams.context_overflow="crop"`): a row whose cache holds
+max_seq_len tokens is predicted from its last max_seq_len tokens run from position 0, as
+nanoGPT's `sample` crops (`window_logits`, inside the same step); learned absolute
+positions leave nothing in the cache reusable there, so such a row costs a forward over the
+window per token, while rows below the context keep decoding from the cache. The decode
+state keeps each row's window of tokens for it.
+
 Bounded compilation: prompt length, batch size and max_new_tokens are padded to power-of-two
 buckets, and sampling parameters are traced arrays, so a new program is compiled only for a
 new bucket. `compile_counts()` reports how many programs each entry point has compiled.
@@ -814,7 +821,9 @@ class Engine:
     most recently admitted request is preempted (pages freed, output kept) and recomputed
     when a slot and pages free up.
     With `prefix_caching`, full prompt pages are shared by requests whose prompts start
-    alike (`inference.scheduler`). A request's tokens do not depend on when it arrived or
+    alike (`inference.scheduler`). A "crop" request (`SamplingParams.context_overflow`)
+    holds at most max_seq_len tokens of pages; past that, the decode chunks run its window
+    (`window_logits`) for it and any other crop row near the context, no other row. A request's tokens do not depend on when it arrived or
     on its neighbours: every row samples from its own seed, sample index and step.
 
     Args:

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import assert_lively
 from gpt_jax import forward
-from inference import Engine, SamplingParams, generate, naive_generate
+from inference import Engine, SamplingParams, compile_counts, generate, naive_generate
 
 C = 16  # the module's max_seq_len
 NEW = 24  # max_new_tokens: every request crosses the context
@@ -94,6 +94,8 @@ def test_crop_engine_with_preemption_equals_each_request_alone(small, requests, 
                               context_overflow="crop"))
     engine = Engine(params, config, max_slots=2, num_pages=6, page_size=4,
                     max_prefill_tokens=C)
+    engine.warmup(crop=True)
+    before = compile_counts()
     rng, pending, finals, streamed = np.random.default_rng(0), requests + [stopped], {}, {}
     while pending or engine.has_unfinished_requests():
         while pending and rng.random() < 0.3:
@@ -103,6 +105,7 @@ def test_crop_engine_with_preemption_equals_each_request_alone(small, requests, 
             if out.finished:
                 finals[out.request_id] = out
     assert engine.stats()["preemptions"] > 0
+    assert compile_counts() == before  # warmup(crop=True) compiled every program it ran
     for rid, _, _ in requests:
         assert finals[rid].token_ids == streamed[rid] == references[rid].tokens, rid
     assert finals["r0-eos"].token_ids == ref.tokens[: ref.tokens.index(eos) + 1]
