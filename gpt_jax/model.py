@@ -16,7 +16,8 @@ tokens of ONE sequence against that sequence's pages of the paged KV cache
 to store (`gpt_jax.cache.write`); `inference.engine` vmaps it as prefill (T tokens) and as
 the decode step (T = 1) over padded batches. `forward` runs whole sequences with no cache
 and a plain masked attention: the training path, and the reference the cached path is
-tested against. Inference runs the weights in `decode_layout` (layers unstacked, block
+tested against; `forward_last` is `forward` at the last position only (the crop window's
+next token). Inference runs the weights in `decode_layout` (layers unstacked, block
 matrices `OutputMajor`); every function takes either layout. Definitions go from leaves to root.
 """
 
@@ -440,18 +441,9 @@ def causal_self_attention(p: Params, x_BTD: jax.Array) -> jax.Array:
     return _merge_heads(p, out_BTNH)
 
 
-@functools.partial(jax.jit, static_argnames="config")
-def forward(params: Params, tokens_BT: jax.Array, config: GPTConfig) -> jax.Array:
-    """Full causal forward pass, no cache kept: the training path and the reference that the
-    cached path (`transformer`) is tested against.
-
-    Args:
-      tokens_BT: int32 token ids, T <= config.max_seq_len.
-    Returns:
-      float32 logits `[B, T, V]`; logits[:, t] predict token t + 1.
-    Raises:
-      ValueError: T exceeds `config.max_seq_len` (positions would run off the table).
-    """
+def _blocks_full(params: Params, tokens_BT: jax.Array, config: GPTConfig, n_blocks: int):
+    """Embeddings at positions 0..T-1 and the first `n_blocks` blocks over whole sequences
+    (`[B, T, D]`). Raises ValueError for T past `config.max_seq_len`."""
     B, T = tokens_BT.shape
     if T > config.max_seq_len:
         raise ValueError(
@@ -465,8 +457,59 @@ def forward(params: Params, tokens_BT: jax.Array, config: GPTConfig) -> jax.Arra
         return x_BTD + mlp(p["mlp"], layer_norm(p["ln2"], x_BTD, eps)), None
 
     if isinstance(params["blocks"], tuple):  # unstacked (see unstack_layers): unrolled
-        for p in params["blocks"]:
+        for p in params["blocks"][:n_blocks]:
             x_BTD, _ = block_full(x_BTD, p)
-    else:
-        x_BTD, _ = jax.lax.scan(block_full, x_BTD, params["blocks"])
-    return lm_head(params, x_BTD, config)
+    elif n_blocks:
+        first = params["blocks"] if n_blocks == config.n_layers else jax.tree.map(
+            lambda w: w[:n_blocks], params["blocks"])
+        x_BTD, _ = jax.lax.scan(block_full, x_BTD, first)
+    return x_BTD
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def forward(params: Params, tokens_BT: jax.Array, config: GPTConfig) -> jax.Array:
+    """Full causal forward pass, no cache kept: the training path and the reference that the
+    cached path (`transformer`) is tested against.
+
+    Args:
+      tokens_BT: int32 token ids, T <= config.max_seq_len.
+    Returns:
+      float32 logits `[B, T, V]`; logits[:, t] predict token t + 1.
+    Raises:
+      ValueError: T exceeds `config.max_seq_len` (positions would run off the table).
+    """
+    return lm_head(params, _blocks_full(params, tokens_BT, config, config.n_layers), config)
+
+
+def _last_block(p: Params, x_BTD: jax.Array, eps: float) -> jax.Array:
+    """A block whose output is wanted at the last position only: keys and values of every
+    position, but the query, attention output and MLP of the last one. Returns `[B, D]`."""
+    h_BTD = layer_norm(p["ln1"], x_BTD, eps)
+    attn = p["attn"]
+    q_B1NH = _project_heads(h_BTD[:, -1:], attn["w_q"], attn["b_q"])
+    k_BTKH = _project_heads(h_BTD, attn["w_k"], attn["b_k"])
+    v_BTKH = _project_heads(h_BTD, attn["w_v"], attn["b_v"])
+    every_1T = jnp.ones((1, x_BTD.shape[1]), bool)  # the last query sees every key
+    out_B1NH = jax.vmap(attend, in_axes=(0, 0, 0, None))(q_B1NH, k_BTKH, v_BTKH, every_1T)
+    x_BD = x_BTD[:, -1] + _merge_heads(attn, out_B1NH)[:, 0]
+    return x_BD + mlp(p["mlp"], layer_norm(p["ln2"], x_BD, eps))
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def forward_last(params: Params, tokens_BT: jax.Array, config: GPTConfig) -> jax.Array:
+    """`forward(params, tokens_BT, config)[:, -1]`, the next-token logits of each sequence,
+    computing the last block at the last position only (the blocks below at every
+    position, for its keys and values). What nanoGPT's `sample` runs on its cropped window
+    (`idx[:, -block_size:]`) each step; `inference.engine.window_logits` runs it.
+
+    Args:
+      tokens_BT: int32 token ids at positions 0..T-1, T <= config.max_seq_len.
+    Returns:
+      float32 logits `[B, V]`.
+    Raises:
+      ValueError: T exceeds `config.max_seq_len`.
+    """
+    x_BTD = _blocks_full(params, tokens_BT, config, config.n_layers - 1)
+    blocks = params["blocks"]
+    last = blocks[-1] if isinstance(blocks, tuple) else jax.tree.map(lambda w: w[-1], blocks)
+    return lm_head(params, _last_block(last, x_BTD, config.layer_norm_eps), config)

@@ -6,7 +6,9 @@ Usage:
   gpt-jax generate --hf-checkpoint DIR --prompt "Hello" --temperature 0
   gpt-jax generate --hf-checkpoint DIR --prompt-ids 464,2068 --prompt-ids 40
 
-Every SamplingParams field is a flag. Text is printed as it streams (one completion after
+Every SamplingParams field is a flag. Past the model's context each token is predicted from
+the last max_seq_len tokens, as nanoGPT's sample.py does (--context-overflow crop, the
+default; error refuses such a request). Text is printed as it streams (one completion after
 another); --json instead prints one JSON list, a completion per prompt and sample, with
 tokens, text, finish reason, seed and (with --logprobs N) log-probabilities.
 
@@ -30,7 +32,7 @@ from gpt_jax import checkpoint
 from gpt_jax.cache import cache_bytes, pages_for
 from inference.engine import generate, init_cache_rows, pack, prefill, validate
 from inference.llm import DTYPES, LLM
-from inference.sampling import SamplingParams
+from inference.sampling import CONTEXT_OVERFLOW, SamplingParams
 
 
 DEFAULT_MAX_NEW_TOKENS = 200
@@ -45,8 +47,9 @@ def parse_args(argv=None):
                         "ids, one comma-separated line per completion")
     s = p.add_argument_group("sampling (inference.SamplingParams)")
     s.add_argument("--max-new-tokens", type=int, default=None,
-                   help=f"default: {DEFAULT_MAX_NEW_TOKENS}, or what the model's context "
-                        "leaves after the longest prompt if that is less")
+                   help=f"default: {DEFAULT_MAX_NEW_TOKENS} (with --context-overflow error: "
+                        "or what the model's context leaves after the longest prompt if that "
+                        "is less)")
     s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
     s.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -66,6 +69,10 @@ def parse_args(argv=None):
                    help="no EOS, stop sequence or stop string before N tokens (vLLM)")
     s.add_argument("--logit-bias", type=_bias, action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS in [-100, 100] to token ID's logit (OpenAI; repeatable)")
+    s.add_argument("--context-overflow", choices=CONTEXT_OVERFLOW, default="crop",
+                   help="past the model's context: crop = predict each token from the last "
+                        "max_seq_len tokens (nanoGPT; a longer prompt is cropped), error = "
+                        "refuse the request")
     p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
     p.add_argument("--report", action="store_true", help="print timing and KV cache size")
     return p.parse_args(argv)
@@ -103,7 +110,7 @@ def sampling_from_args(args) -> SamplingParams:
         else args.max_new_tokens, stop_token_ids=args.stop_token_id,
         stop=[s.replace("\\n", "\n") for s in args.stop], stop_sequences=args.stop_sequence,
         logprobs=args.logprobs, n=args.n, min_tokens=args.min_tokens,
-        logit_bias=args.logit_bias,
+        logit_bias=args.logit_bias, context_overflow=args.context_overflow,
     )
 
 
@@ -147,7 +154,7 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
     config = llm.config
     token_prompts, per_prompt = validate(config, [llm.tokenizer.encode(p) for p in prompts], sampling)
     batch = pack(config, token_prompts, per_prompt)
-    B, S = batch.tokens_PT.shape[0], batch.capacity
+    B, S = batch.tokens_PT.shape[0], min(batch.capacity, config.max_seq_len)  # cache slots
     tokens, lengths = jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P)
 
     def run_prefill():
@@ -244,7 +251,7 @@ def main(argv=None):
     try:
         sampling = sampling_from_args(args)  # every flag checked before loading
         llm = load_llm(args)
-        if args.max_new_tokens is None:  # the default: what fits the model's context
+        if args.max_new_tokens is None and args.context_overflow == "error":  # what fits
             longest = max(len(p) for p in args.prompt_ids) if args.prompt_ids else \
                 max(len(llm.tokenizer.encode(p)) for p in prompts)
             sampling = dataclasses.replace(sampling, max_new_tokens=max(  # >= 1: a full

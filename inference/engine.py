@@ -25,6 +25,13 @@ Every decode step feeds each running row the token it sampled last and samples i
 (`decode_one`); a prefill ends by sampling each row's first token (`sample_and_record`), so
 the first token comes with the prefill.
 
+Past the context (`SamplingParams.context_overflow="crop"`): a row whose cache holds
+max_seq_len tokens is predicted from its last max_seq_len tokens run from position 0, as
+nanoGPT's `sample` crops (`window_logits`, inside the same step); learned absolute
+positions leave nothing in the cache reusable there, so such a row costs a forward over the
+window per token, while rows below the context keep decoding from the cache. The decode
+state keeps each row's window of tokens for it.
+
 Bounded compilation: prompt length, batch size and max_new_tokens are padded to power-of-two
 buckets, and sampling parameters are traced arrays, so a new program is compiled only for a
 new bucket. `compile_counts()` reports how many programs each entry point has compiled.
@@ -47,7 +54,7 @@ from flax import struct
 from gpt_jax import cache as kv
 from gpt_jax.cache import CACHE_ROW_AXES, PagedKVCache
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params, decode_layout, lm_head, transformer
+from gpt_jax.model import Params, decode_layout, forward_last, lm_head, transformer
 from gpt_jax.params import check_params
 from inference import stopping
 from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, prompt_hash, sample
@@ -112,6 +119,48 @@ def _decode(params, config, tokens_B, cache, advance_B):
     return run_rows(row, params, cache, tokens_B, advance_B.astype(jnp.int32))
 
 
+def window_logits(params, config, window_BW, past_B, logits_BV, slots_R=None):
+    """`logits_BV` with each `past_B` row's replaced by the logits of its window
+    `window_BW[b]` run from position 0 (`gpt_jax.model.forward_last`): nanoGPT's `sample`,
+    which crops the sequence to its last `block_size` tokens (`idx_cond =
+    idx[:, -block_size:]`) before every step. With learned absolute positions every token
+    of the window moves to a new position at each step, so nothing cached can be reused:
+    each past row costs a forward over W tokens per token.
+    Only the rows `slots_R` (int32 `[R]`, out-of-range entries padding) are computed, all
+    rows by default; the forward runs only on steps where some row is past.
+
+    Args:
+      window_BW: int32, each row's last W (= max_seq_len) tokens, the newest last.
+      past_B: bool, the row's context is full (its cache holds max_seq_len tokens).
+      logits_BV: float32, the rows' logits from the cache.
+    Returns:
+      float32 `[B, V]`.
+    """
+    slots_R = jnp.arange(past_B.shape[0]) if slots_R is None else slots_R
+
+    def run(logits_BV):
+        take = lambda x, fill: jnp.take(x, slots_R, axis=0, mode="fill", fill_value=fill)  # noqa: E731
+        past_R = take(past_B, False)
+        window_RV = forward_last(params, take(window_BW, 0), config)
+        window_RV = jnp.where(past_R[:, None], window_RV, take(logits_BV, 0.0))
+        return logits_BV.at[slots_R].set(window_RV, mode="drop")
+
+    return jax.lax.cond(past_B.any(), run, lambda x: x, logits_BV)
+
+
+def _step(params, config, tokens_B, cache, advance_B, window_BW=None, slots_R=None):
+    """One decode step over the cache; a row whose context is full (only a
+    `context_overflow="crop"` request gets there) is not written to the cache but predicted
+    from its window instead (`window_logits`; skipped when `window_BW` is None or has no
+    columns, or `slots_R` is empty). Returns `(logits_BV, cache)`."""
+    past_B = cache.lengths >= config.max_seq_len
+    logits_BV, cache = _decode(params, config, tokens_B, cache, advance_B & ~past_B)
+    if window_BW is not None and window_BW.shape[1] and (slots_R is None or slots_R.shape[0]):
+        logits_BV = window_logits(params, config, window_BW, advance_B & past_B, logits_BV,
+                                  slots_R)
+    return logits_BV, cache
+
+
 @functools.partial(jax.jit, static_argnames=("config", "padding_side"))
 def prefill(params: Params, config: GPTConfig, tokens_BT, lengths_B, cache: PagedKVCache,
             slots=None, padding_side: str = "right"):
@@ -158,11 +207,16 @@ class DecodeState:
     finish: jax.Array  # [B] int32, stopping.RUNNING / EOS / STOP / LENGTH
     num_tokens: jax.Array  # [B] int32, output tokens (EOS kept, a token stop sequence cut)
     recent: jax.Array  # [B, M] int32, last M generated tokens (stopping.BEFORE_START before)
+    # [B, W] int32, the row's last W tokens of prompt and output, next_token last (pad before
+    # the prompt); W = max_seq_len where a row may outgrow the context ("crop"), else 0
+    window: jax.Array
     prompt_seen: jax.Array  # [B, V] bool, token occurs among the row's real prompt tokens
     output_counts: jax.Array  # [B, V] int32, occurrences among the generated tokens
 
 
-StepFn = Callable  # (tokens_B, model_state, advance_B) -> (logits_BV, model_state)
+# (tokens_B, model_state, advance_B, window_BW) -> (logits_BV, model_state); window_BW is
+# DecodeState.window, which a model that outgrows its context predicts from
+StepFn = Callable
 
 
 def prompt_seen(tokens_PT, lengths_P, vocab_size: int):
@@ -172,9 +226,20 @@ def prompt_seen(tokens_PT, lengths_P, vocab_size: int):
     return jnp.zeros((P, vocab_size), jnp.int32).at[jnp.arange(P)[:, None], tokens_PT].add(real_PT) > 0
 
 
-def init_state(model, seen_BV, stops, *, n_steps, n_top, pad_id=0) -> DecodeState:
+def prompt_window(tokens_PT, lengths_P, width: int, pad_id: int = 0):
+    """int32 `[P, width]`: the last `width` real tokens of each right-padded prompt, right
+    aligned, `pad_id` before a shorter prompt."""
+    T = tokens_PT.shape[1]
+    position_PW = lengths_P[:, None] - width + jnp.arange(width)[None, :]
+    tokens_PW = jnp.take_along_axis(tokens_PT, jnp.clip(position_PW, 0, T - 1), axis=1)
+    return jnp.where(position_PW >= 0, tokens_PW, pad_id).astype(jnp.int32)
+
+
+def init_state(model, seen_BV, stops, window_BW, *, n_steps, n_top, pad_id=0) -> DecodeState:
     """The decode state before the first token (sampled from the prefill's logits by
-    `sample_and_record`): the token buffer holds `pad_id`, which a finished row's places keep."""
+    `sample_and_record`): the token buffer holds `pad_id`, which a finished row's places keep.
+    `window_BW`: each row's prompt window (`prompt_window`; `[B, 0]` when no row outgrows
+    the context)."""
     B, V = seen_BV.shape
     done_B = stops.max_new_tokens <= 0
     return DecodeState(
@@ -189,6 +254,7 @@ def init_state(model, seen_BV, stops, *, n_steps, n_top, pad_id=0) -> DecodeStat
         finish=jnp.where(done_B, stopping.LENGTH, stopping.RUNNING).astype(jnp.int32),  # not weak
         num_tokens=jnp.zeros((B,), jnp.int32),
         recent=jnp.full((B, stops.stop_sequences.shape[-1]), stopping.BEFORE_START, jnp.int32),
+        window=window_BW,
         prompt_seen=seen_BV,
         output_counts=jnp.zeros((B, V), jnp.int32),
     )
@@ -213,6 +279,14 @@ def _token_logprobs(logits_BV, token_B, wanted_B, n_top: int):
     return jax.lax.cond(wanted_B.any(), compute, skip, logits_BV)
 
 
+def _shift_in(buffer_BM, token_B, active_B):
+    """`buffer_BM` with `token_B` appended (the oldest dropped) in the `active_B` rows."""
+    if not buffer_BM.shape[1]:
+        return buffer_BM
+    shifted_BM = jnp.concatenate([buffer_BM[:, 1:], token_B[:, None]], axis=1)
+    return jnp.where(active_B[:, None], shifted_BM, buffer_BM)
+
+
 def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArrays,
                       stops: stopping.StopArrays, pad_id: int) -> DecodeState:
     """Sample the next token of every `active_B` row from `logits_BV` and record it at the
@@ -233,11 +307,7 @@ def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArr
         logits_BV, token_B, active_B & (rows.logprobs >= 0), state.top_ids.shape[-1])
 
     num_tokens_B = state.num_tokens + active_B
-    recent_BM = jnp.where(
-        active_B[:, None],
-        jnp.concatenate([state.recent[:, 1:], token_B[:, None]], axis=1),
-        state.recent,
-    )
+    recent_BM = _shift_in(state.recent, token_B, active_B)
     eos_B = active_B & stopping.is_eos(token_B, stops.stop_token_ids)
     stop_len_B = jnp.where(active_B & ~eos_B & (step_B >= stops.min_tokens),
                            stopping.matched_stop_length(recent_BM, stops.stop_sequences), 0)
@@ -245,7 +315,8 @@ def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArr
     full_B = active_B & (num_tokens_B >= stops.max_new_tokens)
     finish_B = jnp.select([eos_B, stop_B, full_B],
                           [stopping.EOS, stopping.STOP, stopping.LENGTH], state.finish)
-    row_B, at_B = jnp.arange(B), jnp.where(active_B, step_B, n_steps)  # n_steps: dropped
+    # index step mod n_steps: the Engine's buffer is a ring, read by the host every chunk
+    row_B, at_B = jnp.arange(B), jnp.where(active_B, step_B % n_steps, n_steps)  # n_steps: dropped
     record = lambda buf, x: buf.at[row_B, at_B].set(x, mode="drop")  # noqa: E731
     return state.replace(
         next_token=jnp.where(active_B, token_B, state.next_token),
@@ -258,6 +329,7 @@ def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArr
         finish=finish_B,
         num_tokens=num_tokens_B - stop_len_B,
         recent=recent_BM,
+        window=_shift_in(state.window, token_B, active_B),
         output_counts=state.output_counts.at[row_B, token_B].add(active_B.astype(jnp.int32)),
     )
 
@@ -270,7 +342,7 @@ def decode_one(state: DecodeState, step_fn: StepFn, rows: SamplingArrays,
     running_B = ~state.done
     # Always feed (finished rows do not advance): a lax.cond skipping the step once every
     # row is done made XLA copy the whole KV cache in both branches on every step.
-    logits_BV, model = step_fn(state.next_token, state.model, running_B)
+    logits_BV, model = step_fn(state.next_token, state.model, running_B, state.window)
     return sample_and_record(state.replace(model=model), logits_BV, running_B, rows, stops,
                              pad_id)
 
@@ -306,11 +378,14 @@ def fork_pages(cache: PagedKVCache, source_B) -> PagedKVCache:
 
 def cached_model(params, config, capacity, cache_dtype):
     """`(prefill_fn, step_fn)` over a paged KV cache whose rows own `capacity` token slots
-    each (`gpt_jax.cache.init_cache`). `prefill_fn(tokens_PT, lengths_P, source_B, forked)`
-    prefills the P prompts into the first decode row of each and, when `forked` (static:
-    some prompt has n > 1), copies their pages to the other rows of the same prompt. The
-    weights take the decode layout once here, outside the decode loop."""
+    each, at most max_seq_len (`gpt_jax.cache.init_cache`); `capacity` is the longest a row
+    can grow, past max_seq_len only for "crop" requests. `prefill_fn(tokens_PT, lengths_P,
+    source_B, forked)` prefills the P prompts into the first decode row of each and, when
+    `forked` (static: some prompt has n > 1), copies their pages to the other rows of the
+    same prompt. `step_fn` predicts a row whose cache is full from its window (`_step`).
+    The weights take the decode layout once here, outside the decode loop."""
     params = decode_layout(params)
+    capacity = min(capacity, config.max_seq_len)
 
     def prefill_fn(tokens_PT, lengths_P, source_B, forked):
         P, B = tokens_PT.shape[0], source_B.shape[0]
@@ -322,8 +397,8 @@ def cached_model(params, config, capacity, cache_dtype):
         logits_PV, cache = _prefill(params, config, tokens_PT, lengths_P, cache, first_P)
         return logits_PV[source_B], fork_pages(cache, first_P[source_B])
 
-    def step_fn(tokens_B, cache, advance_B):
-        return _decode(params, config, tokens_B, cache, advance_B)
+    def step_fn(tokens_B, cache, advance_B, window_BW=None):
+        return _step(params, config, tokens_B, cache, advance_B, window_BW)
 
     return prefill_fn, step_fn
 
@@ -340,8 +415,11 @@ def _start(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capac
     prefill_fn, _ = model_fns(params, config, capacity, cache_dtype)
     logits_BV, model = prefill_fn(tokens_PT, lengths_P, source_B, forked)
     seen_PV = prompt_seen(tokens_PT, lengths_P, logits_BV.shape[-1])
-    state = init_state(model, jnp.take(seen_PV, source_B, axis=0), stops, n_steps=n_steps,
-                       n_top=n_top, pad_id=pad_id)
+    width = config.max_seq_len if capacity > config.max_seq_len else 0  # a row may outgrow it
+    window_PW = prompt_window(tokens_PT, lengths_P, width, pad_id)
+    state = init_state(model, jnp.take(seen_PV, source_B, axis=0), stops,
+                       jnp.take(window_PW, source_B, axis=0), n_steps=n_steps, n_top=n_top,
+                       pad_id=pad_id)
     return sample_and_record(state, logits_BV, ~state.done, rows, stops, pad_id)
 
 
@@ -397,7 +475,7 @@ class Batch:
     requests: tuple[SamplingParams, ...]  # per real row
     seeds: tuple[int, ...]  # per real row
     n_real: int  # rows before batch padding
-    capacity: int  # KV cache slots per row
+    capacity: int  # tokens a row can reach; past max_seq_len only when a row may "crop"
     n_steps: int  # token buffer length (bucketed max_new_tokens)
     n_top: int  # alternatives recorded per step
     forked: bool  # some prompt has n > 1 rows (they copy its prefilled pages)
@@ -420,10 +498,16 @@ def _expand_sampling(prompts, sampling) -> list[SamplingParams]:
 def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
     """Check every request before any work starts. Returns `(prompts, sampling)` lists.
 
+    A request's `context_overflow` (None: "error") says what a request longer than the
+    model's context does: under "crop" a prompt longer than config.max_seq_len is cropped to
+    its last max_seq_len tokens (nanoGPT's `idx[:, -block_size:]`) and max_new_tokens may
+    take it past the context; under "error" neither is allowed.
+
     Raises:
       ValueError: a token id that is not an integer or is outside [0, vocab_size); an empty
         prompt without a BOS id;
-        a prompt length + max_new_tokens above config.max_seq_len (both numbers named);
+        under "error", a prompt length + max_new_tokens above config.max_seq_len (both
+        numbers named);
         a stop_token_id, stop_sequences id or logit_bias id outside the vocabulary (the id
         and vocab_size named).
     """
@@ -455,7 +539,9 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
         if sp.logprobs is not None and sp.logprobs > V:
             raise ValueError(f"prompt {index}: logprobs={sp.logprobs} asks for more "
                              f"alternatives than the vocabulary has; allowed: [0, {V}]")
-        if len(prompt) + sp.max_new_tokens > config.max_seq_len:
+        if sp.overflow("error") == "crop":
+            prompt = prompt[-config.max_seq_len:]
+        elif len(prompt) + sp.max_new_tokens > config.max_seq_len:
             raise ValueError(
                 f"prompt {index}: prompt length {len(prompt)} + max_new_tokens "
                 f"{sp.max_new_tokens} = {len(prompt) + sp.max_new_tokens} exceeds the "
@@ -477,7 +563,9 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
     P, B = bucket(len(prompts)), bucket(n_real)
     T = min(config.max_seq_len, bucket(max(map(len, prompts)), MIN_PROMPT_BUCKET))
     n_steps = bucket(max(r.max_new_tokens for r in rows), CHUNK)
-    capacity = min(config.max_seq_len, T + n_steps)
+    outgrows = any(len(prompts[p]) + r.max_new_tokens > config.max_seq_len  # only "crop" rows
+                   for p, r in zip(source, rows))
+    capacity = T + n_steps if outgrows else min(config.max_seq_len, T + n_steps)
     tokens = np.full((P, T), pad_id, np.int32)
     lengths = np.ones((P,), np.int32)
     for p, prompt in enumerate(prompts):
@@ -589,6 +677,7 @@ class PrefillBatch:
     insert: jax.Array  # [R] bool, the chunk completes the prompt: the row joins the decode batch
     step: jax.Array  # [R] int32, tokens the request had generated (a preempted one resumes)
     recent: jax.Array  # [R, M] int32, its last M generated tokens (BEFORE_START before)
+    window: jax.Array  # [R, W] int32, its last W tokens of prompt and output (0 before)
     prompt_seen: jax.Array  # [R, V] bool, tokens of its prompt
     output_counts: jax.Array  # [R, V] int32, occurrences among its generated tokens
 
@@ -609,7 +698,7 @@ def engine_prefill(params, config, state: DecodeState, page_table, batch: Prefil
     state = state.replace(
         model=cache, step=put(state.step, batch.step), num_tokens=put(state.num_tokens, batch.step),
         done=put(state.done, False), finish=put(state.finish, stopping.RUNNING),
-        recent=put(state.recent, batch.recent),
+        recent=put(state.recent, batch.recent), window=put(state.window, batch.window),
         prompt_seen=put(state.prompt_seen, batch.prompt_seen),
         output_counts=put(state.output_counts, batch.output_counts))
     inserted_B = jnp.zeros((B,), bool).at[at_R].set(True, mode="drop")
@@ -651,16 +740,19 @@ def _put_first_rows(state: DecodeState, rows: DecodeState) -> DecodeState:
 
 @functools.partial(jax.jit, static_argnames=("config", "n_rows", "pad_id"),
                    donate_argnames="state")
-def engine_decode(params, config, state: DecodeState, page_table, live_B, rows, stops, *,
-                  n_rows: int, pad_id: int):
+def engine_decode(params, config, state: DecodeState, page_table, live_B, rows, stops,
+                  window_slots, *, n_rows: int, pad_id: int):
     """One chunk of decode steps for the first `n_rows` slots (every live slot among them):
-    rows not `live_B` are finished first (freed, aborted or stopped on the host). `state` is
-    donated: the cache is written in place."""
+    rows not `live_B` are finished first (freed, aborted or stopped on the host). The slots
+    `window_slots` (int32 `[R]`, R = 0 when no row can outgrow the context in this chunk;
+    entries >= n_rows are padding) are the rows that may: each step, those whose context is
+    full are predicted from their window (`window_logits`). `state` is donated: the cache
+    is written in place."""
     state = state.replace(model=state.model.replace(page_table=page_table),
                           done=state.done | ~live_B)
     first = lambda x: x[:n_rows]  # noqa: E731
-    step_fn = lambda tokens_B, cache, advance_B: _decode(  # noqa: E731
-        params, config, tokens_B, cache, advance_B)
+    step_fn = lambda tokens_B, cache, advance_B, window_BW: _step(  # noqa: E731
+        params, config, tokens_B, cache, advance_B, window_BW, window_slots)
     chunk = decode_chunk(_first_rows(state, n_rows), step_fn, jax.tree.map(first, rows),
                          jax.tree.map(first, stops), pad_id)
     return _put_first_rows(state, chunk)
@@ -729,7 +821,9 @@ class Engine:
     most recently admitted request is preempted (pages freed, output kept) and recomputed
     when a slot and pages free up.
     With `prefix_caching`, full prompt pages are shared by requests whose prompts start
-    alike (`inference.scheduler`). A request's tokens do not depend on when it arrived or
+    alike (`inference.scheduler`). A "crop" request (`SamplingParams.context_overflow`)
+    holds at most max_seq_len tokens of pages; past that, the decode chunks run its window
+    (`window_logits`) for it and any other crop row near the context, no other row. A request's tokens do not depend on when it arrived or
     on its neighbours: every row samples from its own seed, sample index and step.
 
     Args:
@@ -789,16 +883,18 @@ class Engine:
         self.config, self.tokenizer, self.cache_dtype = config, tokenizer, dtype
         self.max_slots, self.num_pages, self.page_size = max_slots, num_pages, page_size
         self.scheduler = Scheduler(max_slots=max_slots, num_pages=num_pages,
-                                   page_size=page_size, max_pages=max_pages,
+                                   page_size=page_size, max_seq_len=config.max_seq_len,
                                    max_prefill_tokens=max_prefill_tokens,
                                    prefix_caching=prefix_caching)
         self.widths = (4, 4, 4)  # stop arrays' (E, Q, M), grown on demand
         cache = kv.empty_cache(config, num_pages, max_slots, max_pages, page_size, dtype)
-        B, V = max_slots, config.vocab_size
+        B, V, C = max_slots, config.vocab_size, config.max_seq_len
+        # The token buffer is a ring of C (>= one chunk) steps: the host reads every chunk.
         self.state = init_state(
             cache, jnp.zeros((B, V), bool),
             stopping.StopArrays.from_lists([0] * B, [()] * B, [()] * B, self.widths),
-            n_steps=config.max_seq_len, n_top=min(MAX_LOGPROBS, config.vocab_size))
+            jnp.zeros((B, C), jnp.int32), n_steps=max(C, CHUNK),
+            n_top=min(MAX_LOGPROBS, config.vocab_size))
         self.last_step_prefilled = False
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests' samples
         # ids of finished requests (aborting one does nothing), the latest FINISHED_IDS kept
@@ -839,7 +935,9 @@ class Engine:
         except ValueError as error:  # name the request, not a position in a list
             raise ValueError(str(error).replace("prompt 0", f"request {request_id!r}", 1)) \
                 from None
-        need = kv.pages_for(len(prompt) + sampling.max_new_tokens, self.page_size)
+        # At most max_seq_len tokens in the cache: a "crop" request past it reads its window.
+        need = kv.pages_for(min(len(prompt) + sampling.max_new_tokens, self.config.max_seq_len),
+                            self.page_size)
         if need > self.num_pages:
             raise ValueError(
                 f"request {request_id!r}: prompt length {len(prompt)} + max_new_tokens "
@@ -882,9 +980,10 @@ class Engine:
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
         self._remember_finished(request_id)
 
-    def warmup(self) -> int:
+    def warmup(self, crop: bool = False) -> int:
         """Compile every program `step()` can run (each prefill shape the scheduler can form
-        and each decode batch size) with nothing in the engine, so none compiles while
+        and each decode batch size; with `crop`, also each count of rows that outgrow the
+        context, for "crop" requests) with nothing in the engine, so none compiles while
         requests wait. Returns how many programs it compiled. Raises RuntimeError when the
         engine holds requests."""
         if self.requests:
@@ -902,7 +1001,8 @@ class Engine:
                 batch = PrefillBatch(*map(jnp.asarray, (
                     zeros(R, T), zeros(R), zeros(R), np.full(R, self.max_slots, np.int32),
                     zeros(R, dtype=bool), zeros(R), np.full((R, M), stopping.BEFORE_START, np.int32),
-                    zeros(R, V, dtype=bool), zeros(R, V))))  # padding rows: no effect
+                    zeros(R, self.config.max_seq_len), zeros(R, V, dtype=bool),
+                    zeros(R, V))))  # padding rows: no effect
                 self.state = engine_prefill(self.params, self.config, self.state, table, batch,
                                             rows, stops, pad_id=0)
                 R *= 2
@@ -910,8 +1010,12 @@ class Engine:
         live = jnp.zeros((self.max_slots,), bool)
         for n_rows in sorted({decode_rows(k, self.max_slots)
                               for k in range(1, self.max_slots + 1)}):
-            self.state = engine_decode(self.params, self.config, self.state, table, live, rows,
-                                       stops, n_rows=n_rows, pad_id=0)
+            windows = {decode_rows(k, n_rows) for k in range(1, n_rows + 1)} if crop else set()
+            for n_window in [0] + sorted(windows):
+                self.state = engine_decode(self.params, self.config, self.state, table, live,
+                                           rows, stops, jnp.full((n_window,), self.max_slots,
+                                                                 jnp.int32),
+                                           n_rows=n_rows, pad_id=0)
         jax.block_until_ready(self.state)
         return sum(compile_counts().values()) - before
 
@@ -980,8 +1084,20 @@ class Engine:
         rows, stops = self._row_arrays()
         self.state = engine_decode(self.params, self.config, self.state,
                                    jnp.asarray(self.scheduler.page_table), jnp.asarray(live),
-                                   rows, stops, n_rows=n_rows, pad_id=0)
+                                   rows, stops, self._window_slots(running, n_rows),
+                                   n_rows=n_rows, pad_id=0)
         return self._collect(running)
+
+    def _window_slots(self, running: list[Sequence], n_rows: int):
+        """The slots of the "crop" requests whose context may be full within the next chunk,
+        padded with `max_slots` to a `decode_rows` bucket (none: an empty array, and the
+        chunk compiles without the window forward)."""
+        C = self.config.max_seq_len
+        near = [q.slot for q in running if q.length + CHUNK > C
+                and len(q.prompt) + q.sampling.max_new_tokens > C]  # only "crop" ones can
+        slots = np.full(decode_rows(len(near), n_rows) if near else 0, self.max_slots, np.int32)
+        slots[: len(near)] = sorted(near)
+        return jnp.asarray(slots)
 
     def _prefill_batch(self, work: list[PrefillWork]) -> PrefillBatch:
         R = bucket(len(work))
@@ -992,6 +1108,7 @@ class Engine:
         slot = np.full(R, self.max_slots, np.int32)
         insert = np.zeros(R, bool)
         recent = np.full((R, M), stopping.BEFORE_START, np.int32)
+        window = np.zeros((R, self.state.window.shape[1]), np.int32)
         seen, counts = np.zeros((R, V), bool), np.zeros((R, V), np.int32)
         for r, w in enumerate(work):
             seq = w.seq
@@ -1003,8 +1120,10 @@ class Engine:
                 np.add.at(counts[r], seq.output, 1)
                 tail = seq.output[-M:]
                 recent[r, M - len(tail):] = tail
+                tail = seq.target[-window.shape[1]:]  # the target is at most max_seq_len
+                window[r, window.shape[1] - len(tail):] = tail
         return PrefillBatch(*map(jnp.asarray, (tokens, n_valid, start, slot, insert, step,
-                                               recent, seen, counts)))
+                                               recent, window, seen, counts)))
 
     def _row_arrays(self):
         """Per-slot sampling and stop arrays (a free slot gets inert defaults)."""
@@ -1029,14 +1148,14 @@ class Engine:
         outputs = []
         for seq in running:
             b, old = seq.slot, len(seq.output)
-            step = int(host.step[b])
-            seq.output += host.tokens[b, old:step].tolist()
+            at = np.arange(old, int(host.step[b])) % host.tokens.shape[1]  # a ring of steps
+            seq.output += host.tokens[b, at].tolist()
             if seq.sampling.logprobs is not None:
                 k = seq.sampling.logprobs
-                seq.logprobs += host.logprobs[b, old:step].tolist()
+                seq.logprobs += host.logprobs[b, at].tolist()
                 seq.top_logprobs += [dict(zip(host.top_ids[b, i, :k].tolist(),
                                               host.top_logprobs[b, i, :k].tolist()))
-                                     for i in range(old, step)]
+                                     for i in at]
             if host.done[b]:
                 n = int(host.num_tokens[b])  # a token stop sequence is cut off
                 del seq.output[n:], seq.logprobs[n:], seq.top_logprobs[n:]

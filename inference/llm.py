@@ -13,6 +13,11 @@ searched for its stop strings; one that contains a stop string is cut before it 
 reason "stop") and leaves the batch. A delta only carries text that is final: a byte-level
 tokenizer's incomplete UTF-8 character (decoded as U+FFFD) is held back until its last byte
 arrives, and a tail that could still grow into a stop string is held back until it cannot.
+
+Text does not stop at the model's context: a request whose `context_overflow` is None runs
+as "crop" here (nanoGPT's sampler: past max_seq_len each token is predicted from the last
+max_seq_len tokens; a longer prompt is cropped to them), unlike `generate` and the
+`Engine`, where None means "error".
 """
 
 from __future__ import annotations
@@ -49,6 +54,20 @@ class Delta:
 
 
 DTYPES = ("float32", "bfloat16")
+
+
+def crop_by_default(sampling):
+    """`sampling` (None, one SamplingParams or a list) with every `context_overflow` of None
+    made "crop", the LLM's default."""
+    def crop(sp):
+        sp = engine.SamplingParams() if sp is None else sp
+        if isinstance(sp, engine.SamplingParams) and sp.context_overflow is None:
+            return dataclasses.replace(sp, context_overflow="crop")
+        return sp  # another type: validate names it
+
+    if sampling is None or isinstance(sampling, engine.SamplingParams):
+        return crop(sampling)
+    return [crop(sp) for sp in sampling]
 
 
 class LLM:
@@ -143,7 +162,7 @@ class LLM:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         token_prompts, per_prompt = engine.validate(self.config, self._encode(prompts),
-                                                    sampling)
+                                                    crop_by_default(sampling))
         for p, sp in zip(token_prompts, per_prompt):
             if not p and sp.max_new_tokens > 0:
                 raise ValueError("a prompt is empty; a prompt needs at least one token")

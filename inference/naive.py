@@ -1,8 +1,10 @@
 """The reference: generation by full recomputation, no KV cache.
 
 Every step runs `gpt_jax.forward` over the whole sequence so far and reads the logits at each
-row's last token. It shares the loop, sampler and stop logic of `inference.engine`, so any
-difference from `generate` is the cache's fault.
+row's last token; a sequence longer than the context ("crop" requests) runs from its last
+max_seq_len tokens, as nanoGPT's `sample` does (`idx_cond = idx[:, -block_size:]`). It
+shares the loop, sampler and stop logic of `inference.engine`, so any difference from
+`generate` is the cache's fault.
 """
 
 from __future__ import annotations
@@ -22,8 +24,16 @@ class Sequences:
 
 
 def _last_logits(params, config, seqs: Sequences):
-    logits_BSV = forward(params, seqs.tokens, config)
-    return jnp.take_along_axis(logits_BSV, (seqs.lengths - 1)[:, None, None], axis=1)[:, 0]
+    """float32 `[B, V]`: each row's next-token logits, from `forward` over the row's last
+    max_seq_len tokens (its first ones while it is shorter: the same, by causality)."""
+    B, S = seqs.tokens.shape
+    C = config.max_seq_len
+    start_B = jnp.clip(seqs.lengths - C, 0, max(S - C, 0))
+    window_BC = jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, min(S, C)))(
+        seqs.tokens, start_B)
+    logits_BCV = forward(params, window_BC, config)
+    last_B = seqs.lengths - 1 - start_B
+    return jnp.take_along_axis(logits_BCV, last_B[:, None, None], axis=1)[:, 0]
 
 
 def naive_model(params, config, capacity, cache_dtype):
@@ -38,7 +48,8 @@ def naive_model(params, config, capacity, cache_dtype):
         seqs = jax.tree.map(lambda x: x[source_B], seqs)  # decode row b is prompt source_B[b]
         return _last_logits(params, config, seqs), seqs
 
-    def step_fn(tokens_B, seqs, advance_B):
+    def step_fn(tokens_B, seqs, advance_B, window_BW=None):
+        del window_BW  # the sequences are kept whole here
         rows = jnp.arange(tokens_B.shape[0])
         write_at = jnp.minimum(seqs.lengths, capacity - 1)
         current_B = seqs.tokens[rows, write_at]

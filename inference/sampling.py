@@ -52,6 +52,7 @@ from flax import struct
 
 MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for
 INT32_MAX = 2**31 - 1  # integer fields become int32 arrays
+CONTEXT_OVERFLOW = ("error", "crop")  # SamplingParams.context_overflow values (None: default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,14 @@ class SamplingParams:
     # model's). Given as a dict or (id, bias) pairs; kept as pairs sorted by id (hashable).
     # Ids past the vocabulary are refused by `inference.engine.validate`, which knows it.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # What a request that outgrows the model's context (max_seq_len) does: "error" refuses
+    # a prompt + max_new_tokens past it (`inference.engine.validate`); "crop" (nanoGPT's
+    # sample: `idx_cond = idx[:, -block_size:]`) predicts each token from exactly the last
+    # max_seq_len tokens of prompt and output, and crops a longer prompt to its last
+    # max_seq_len tokens (the penalties and the prompt hash then see only those). None: the
+    # front's default, "error" for `generate`, `Engine` and the server (nothing outgrows the
+    # context silently), "crop" for `LLM` and `gpt-jax generate`.
+    context_overflow: str | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -133,6 +142,13 @@ class SamplingParams:
                              f"max_new_tokens={self.max_new_tokens}; allowed: "
                              "0 <= min_tokens <= max_new_tokens")
         set_(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.context_overflow not in CONTEXT_OVERFLOW + (None,):
+            raise ValueError(f"SamplingParams.context_overflow={self.context_overflow!r} is out "
+                             f"of range; allowed: None, {', '.join(map(repr, CONTEXT_OVERFLOW))}")
+
+    def overflow(self, default: str) -> str:
+        """`context_overflow`, or `default` when it is None."""
+        return default if self.context_overflow is None else self.context_overflow
 
     @property
     def greedy(self) -> bool:

@@ -125,7 +125,8 @@ class Sequence:
 
     @property
     def length(self) -> int:
-        """Tokens in the cache for a running sequence: the prompt and every output token."""
+        """The prompt and every output token: the tokens in the cache of a running sequence,
+        up to max_seq_len (a "crop" request's cache holds at most that many)."""
         return len(self.prompt) + len(self.output)
 
 
@@ -146,9 +147,10 @@ class Scheduler:
     """Queues, slots and pages. `Engine` calls, each step: `admit`, `prefill_work`,
     `reserve_decode` (which may preempt), and `free` for finished or aborted sequences."""
 
-    def __init__(self, *, max_slots: int, num_pages: int, page_size: int, max_pages: int,
+    def __init__(self, *, max_slots: int, num_pages: int, page_size: int, max_seq_len: int,
                  max_prefill_tokens: int, prefix_caching: bool):
-        self.max_slots, self.page_size, self.max_pages = max_slots, page_size, max_pages
+        self.max_slots, self.page_size, self.max_seq_len = max_slots, page_size, max_seq_len
+        self.max_pages = pages_for(max_seq_len, page_size)
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_caching = prefix_caching
         self.pool = PagePool(num_pages)
@@ -156,7 +158,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: list[Sequence] = []  # PREFILLING and RUNNING, in admission order
         self.pending: dict[bytes, Sequence] = {}  # prefix key -> the sequence prefilling it
-        self.page_table = np.full((max_slots, max_pages), NO_PAGE, np.int32)
+        self.page_table = np.full((max_slots, self.max_pages), NO_PAGE, np.int32)
         self.admissions = 0
         self.preemptions = 0
         self.prefix_cache_hits = 0  # pages found in the prefix cache
@@ -175,7 +177,9 @@ class Scheduler:
         it shares the page instead of computing it again."""
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
-            target = seq.prompt + seq.output
+            # A "crop" request past the context (preempted) resumes from its last max_seq_len
+            # tokens: prefilled from position 0, they predict its next token (nanoGPT's crop).
+            target = (seq.prompt + seq.output)[-self.max_seq_len:]
             keys = page_hashes(target[:-1], self.page_size) if self._shares(seq) else []
             hits = self.pool.lookup(keys)
             if len(hits) < len(keys) and keys[len(hits)] in self.pending:
@@ -257,7 +261,8 @@ class Scheduler:
         return preempted
 
     def _pages_wanted(self, seq: Sequence, chunk: int) -> int:
-        end = min(seq.length + chunk, len(seq.prompt) + seq.sampling.max_new_tokens)
+        end = min(seq.length + chunk, len(seq.prompt) + seq.sampling.max_new_tokens,
+                  self.max_seq_len)  # a "crop" request's cache stops at max_seq_len
         return max(0, pages_for(end, self.page_size) - len(seq.pages))
 
     def free(self, seq: Sequence) -> None:

@@ -11,6 +11,7 @@ import pytest
 from conftest import lively_params
 from inference import cli, engine
 from gpt_jax.tokenizer import CharTokenizer
+from inference import llm as llm_module
 from inference.llm import LLM
 from inference.sampling import SamplingParams
 
@@ -191,7 +192,7 @@ EVERY_FLAG = ["--temperature", "0.7", "--top-k", "9", "--top-p", "0.9", "--min-p
               "--frequency-penalty", "0.1", "--seed", "4", "--max-new-tokens", "12",
               "--stop-token-id", "7", "--stop-token-id", "8", "--stop", "zz\\n",
               "--stop-sequence", "1,2,3", "--logprobs", "2", "--n", "2", "--min-tokens", "3",
-              "--logit-bias", "9=-100", "--logit-bias", "4=2.5"]
+              "--logit-bias", "9=-100", "--logit-bias", "4=2.5", "--context-overflow", "error"]
 
 
 def test_every_sampling_field_is_a_flag():
@@ -225,15 +226,37 @@ def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
         rule + p + e.text + "\n" for p, e in zip(prompts, expected)) + rule
 
 
-def test_default_max_new_tokens_fits_the_models_context(llm, config, monkeypatch, capsys):
+def test_default_max_new_tokens_fits_the_models_context_under_error(llm, config, monkeypatch,
+                                                                    capsys):
     monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
-    cli.main(["--prompt", PROMPT, "--temperature", "0", "--json"])  # 200 would not fit in 128
+    error = ["--context-overflow", "error"]
+    cli.main(["--prompt", PROMPT, "--temperature", "0", "--json"] + error)  # 200 > 128 left
     (row,) = json.loads(capsys.readouterr().out)
     assert row["finish_reason"] == "length"
     assert len(row["tokens"]) == config.max_seq_len - len(PIECES.encode(PROMPT)) < 200
     full = PIECES.decode([5] * config.max_seq_len)  # no room left: an error, not 0 tokens
     with pytest.raises(SystemExit, match=r"prompt length 128 \+ max_new_tokens 1 = 129 exceeds"):
-        cli.main(["--prompt", full])
+        cli.main(["--prompt", full] + error)
+    # crop, the CLI's default: 200 tokens whatever the prompt, past the context
+    asked = []
+    monkeypatch.setattr(cli, "print_stream", lambda llm, prompts, sampling: asked.append(sampling))
+    cli.main(["--prompt", full + PROMPT])
+    (sampling,) = asked
+    assert sampling.max_new_tokens == 200 and sampling.context_overflow == "crop"
+
+
+def test_llm_crops_unless_a_request_says_otherwise(llm, monkeypatch):
+    """None (the SamplingParams default) is "crop" in LLM, "error" in generate and Engine."""
+    added = []
+    engine_ = llm.engine(32)
+    monkeypatch.setattr(engine_, "add_request", lambda rid, prompt, sp: added.append(sp))
+    list(llm.stream([PROMPT, PROMPT, PROMPT], [
+        SamplingParams(max_new_tokens=500), SamplingParams(context_overflow="error"),
+        SamplingParams(max_new_tokens=500, context_overflow="crop")]))
+    assert [sp.context_overflow for sp in added] == ["crop", "error", "crop"]
+    assert llm_module.crop_by_default(None) == SamplingParams(context_overflow="crop")
+    with pytest.raises(ValueError, match=r"prompt length 2 \+ max_new_tokens 500 = 502 exceeds"):
+        list(llm.stream([PROMPT], SamplingParams(max_new_tokens=500, context_overflow="error")))
 
 
 def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):

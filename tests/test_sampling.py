@@ -294,6 +294,7 @@ def test_g20_every_option_changes_the_draws(dtype, option, on, seen, counts, cha
     ("stop_sequences", [[1, -2]], "token ids >= 0"), ("stop_sequences", [[]], "non-empty"),
     ("stop_token_ids", 5, "a list"), ("min_tokens", -1, r"\[0, 2147483647\]"),
     ("logit_bias", {-1: 1.0}, "token ids >= 0"), ("logit_bias", 5, "a list"),
+    ("context_overflow", "wrap", "None, 'error', 'crop'"),
 ])
 def test_out_of_range_values_are_rejected_naming_field_value_and_range(field, value, allowed):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=.* is out of range; allowed: {allowed}"):

@@ -386,6 +386,26 @@ def test_demo_refuses_a_bad_budget_before_touching_the_previous_run(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # not renamed away
 
 
+def test_demo_asks_500_characters_per_speaker_in_one_batch_by_cropping(tmp_path, monkeypatch):
+    """The demo's generation call, with training and data skipped (a finished run)."""
+    import inference.cli
+    from gpt_jax import cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(
+        {"steps": 1, "tokens_per_s": 1.0, "train_loss": 1.0, "val_loss": 1.0}))
+    monkeypatch.setattr(cli, "data_main", lambda argv: None)
+    calls = []
+    monkeypatch.setattr(inference.cli, "main", calls.append)
+    cli.demo_main(["--run-dir", str(run)])
+    (argv,) = calls
+    args = inference.cli.parse_args(argv)
+    sampling = inference.cli.sampling_from_args(args)
+    assert sampling.max_new_tokens == 500 and sampling.context_overflow == "crop"
+    assert args.prompt == cli.DEMO_PROMPTS and args.run_dir == str(run)  # one call: one batch
+
+
 def test_resuming_with_another_model_is_refused(corpus, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
