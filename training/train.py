@@ -434,7 +434,8 @@ class Loop:
         """Evaluate, log a metrics line, print a sample, save a checkpoint."""
         self.evals = evaluate(params, self.config, self.cfg, self.batches, self.mesh)
         record = {"step": self.step, "train_loss": float(np.mean(self.losses)),
-                  **self.evals, "elapsed_s": elapsed, "tokens_per_s": self.tokens_per_s()}
+                  **self.evals, "elapsed_s": elapsed, "tokens_per_s": self.tokens_per_s(),
+                  "train_losses": self.losses}  # every step's loss since the last line
         self.losses = []
         if jax.process_index() == 0:  # one writer when several hosts train together
             report.append_metrics(self.cfg.run_dir, record)
