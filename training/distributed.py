@@ -241,6 +241,19 @@ def check_same(what: str, fields: dict) -> None:
                      "files; only --process-id differs")
 
 
+def on_process_0(make):
+    """`make()` (a pytree of arrays), computed by process 0 alone and sent to every process
+    (as host arrays); the others only trace it for the shapes, so they skip computing, and
+    compiling, it. A collective with several processes; just `make()` with one."""
+    if jax.process_count() == 1:
+        return make()
+    from jax.experimental import multihost_utils
+
+    mine = make() if is_primary() else jax.tree.map(
+        lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(make))
+    return multihost_utils.broadcast_one_to_all(mine)
+
+
 def local_copy(tree):
     """The pytree with every array whole on this process (a replicated array's local copy;
     an array split over several processes gathered, a collective every process must join)."""

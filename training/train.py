@@ -320,20 +320,21 @@ def prepare_run(cfg: TrainConfig):
 
 
 def init_state(cfg: TrainConfig, config: GPTConfig, optimizer, mesh):
-    """Fresh params and optimizer state, made on the mesh, and their shardings.
+    """Fresh params and optimizer state, placed on the mesh, and their shardings.
 
-    Each is one jitted program writing straight into its shardings: every process computes
-    the same values on its own devices. (Placing host copies with `device_put` instead
-    makes JAX check, leaf by leaf, that every process holds the same copy: one cross-process
-    gather per array, seconds at start-up even for the tiny model.)
+    With several processes the params are drawn by process 0 and sent to the others, and
+    each process supplies only its own devices' shards (`sharding.put_host`); the optimizer
+    state is made on the mesh by one jitted program. Avoided: `device_put` of host copies
+    checks leaf by leaf that every process holds the same copy (a cross-process gather per
+    array, 4-8 s of start-up for the tiny model), and drawing them everywhere compiles the
+    init on every process but 0 (on CPU JAX's persistent cache serves process 0 alone).
     """
-    def make(fn, *args):
-        shapes = jax.eval_shape(fn, *args)
-        shardings = sharding.tree_shardings(shapes, mesh, cfg.shard_params)
-        return jax.jit(fn, out_shardings=shardings)(*args), shardings
-
-    params, param_shardings = make(lambda: init_params(config, jax.random.key(cfg.seed)))
-    opt_state, opt_shardings = make(optimizer.init, params)
+    params = distributed.on_process_0(lambda: init_params(config, jax.random.key(cfg.seed)))
+    param_shardings = sharding.tree_shardings(params, mesh, cfg.shard_params)
+    params = jax.tree.map(sharding.put_host, params, param_shardings)
+    opt_shardings = sharding.tree_shardings(jax.eval_shape(optimizer.init, params), mesh,
+                                            cfg.shard_params)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     return params, opt_state, (param_shardings, opt_shardings)
 
 
