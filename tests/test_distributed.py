@@ -306,6 +306,19 @@ def test_a_coordinator_that_never_answers_is_a_bounded_clear_error(no_joining):
     assert time.monotonic() - tick < 5
 
 
+def test_a_coordinator_port_in_use_is_refused_before_joining(no_joining, monkeypatch):
+    """JAX 0.10 sometimes segfaults on a taken port instead of raising."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", address)
+        with pytest.raises(SystemExit, match=rf"^train: the coordinator cannot listen on "
+                                             rf"{address}: the port is in use on this host"):
+            T.main(["--preset", "tiny", "--coordinator", address, "--num-processes", "2",
+                    "--process-id", "0"])
+
+
 @pytest.mark.parametrize("env, flags, starts, processes", [
     ({}, {}, False, 1),  # a plain run: one process, as before
     ({}, {"num_processes": 2, "process_id": 0, "coordinator": "h:1"}, True, 2),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -171,6 +172,35 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
+def check_port_free(address: str) -> None:
+    """Process 0: can the coordinator listen where JAX will bind it
+    (JAX_COORDINATOR_BIND_ADDRESS, else every interface on the --coordinator port)? JAX
+    0.10 sometimes segfaults on a port in use instead of raising.
+
+    Raises:
+      DistributedError: the port is taken (naming it).
+    """
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "[::]:" + address.rpartition(":")[2])
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    if host in ("", "::"):  # every interface: IPv6's wildcard, or IPv4's on a host without
+        candidates = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
+    else:
+        candidates = [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)]
+    for family, name in candidates:
+        try:
+            with socket.socket(family) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+                s.bind((name, int(port)))
+            return
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise DistributedError(f"the coordinator cannot listen on {bind}: the port "
+                                       "is in use on this host; pick a free port for "
+                                       "--coordinator on every process") from None
+    # Could not try (no such address family, say): JAX reports what it finds.
+
+
 def start(dist: DistributedConfig) -> None:
     """`jax.distributed.initialize` when `dist` says so; call it before any other JAX work.
 
@@ -184,6 +214,8 @@ def start(dist: DistributedConfig) -> None:
     if dist.coordinator and dist.process_id:  # not process 0: is anyone listening?
         wait_for_coordinator(dist.coordinator, dist.init_timeout_s)
     elif dist.process_id == 0:
+        if dist.coordinator:
+            check_port_free(dist.coordinator)
         print(f"process 0 of {dist.num_processes}: coordinator on {dist.coordinator}, "
               f"waiting up to {dist.init_timeout_s} s for the others", file=sys.stderr,
               flush=True)
