@@ -91,11 +91,23 @@ def manager(run_dir, keep: int = 3) -> ocp.CheckpointManager:
     )
 
 
+def _whole(leaf) -> np.ndarray:
+    """An array's whole value on this host. One split over several processes' devices is
+    gathered: a collective, so every process calls this for the same arrays in order."""
+    if isinstance(leaf, jax.Array) and not (leaf.is_fully_addressable
+                                            or leaf.is_fully_replicated):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))
+
+
 def digest(*trees) -> str:
-    """SHA-256 over the bytes, shapes and dtypes of every array in the trees, in tree order."""
+    """SHA-256 over the bytes, shapes and dtypes of every array in the trees, in tree order
+    (the same on every process of a multi-process run)."""
     h = hashlib.sha256()
     for leaf in jax.tree.leaves(trees):
-        array = np.asarray(jax.device_get(leaf))
+        array = _whole(leaf)
         h.update(f"{array.shape}{array.dtype}".encode())
         h.update(np.ascontiguousarray(array).tobytes())
     return h.hexdigest()
@@ -170,9 +182,18 @@ def load_params(run_dir, step: int | None = None):
       FileNotFoundError: the directory has no config or no checkpoint.
       ValueError: `step` is given and no checkpoint was saved at it (the steps are named).
       CorruptCheckpointError: every candidate checkpoint is damaged.
+      RuntimeError: this is one of several `jax.distributed` processes (loading for
+        generation is single-process).
     """
     from gpt_jax.params import init_params  # the shapes to restore into
 
+    if jax.process_count() > 1:
+        raise RuntimeError(
+            f"load_params loads {run_dir} for generation in one process, but this is process "
+            f"{jax.process_index()} of {jax.process_count()} (jax.distributed is initialized). "
+            "Generation is single-process: `gpt-jax generate`, `gpt-jax serve`, "
+            "`LLM.from_checkpoint` and `Engine` run in one process, without --coordinator; a "
+            "checkpoint from a multi-process run loads there as it is")
     config = load_config(run_dir)
     mngr = manager(run_dir)
     steps = sorted(mngr.all_steps())

@@ -103,5 +103,12 @@ def put_batch(batch: np.ndarray, mesh: Mesh, batch_axis: int = 0) -> jax.Array:
     if batch.shape[batch_axis] % n:
         raise ValueError(f"batch size {batch.shape[batch_axis]} must be divisible by the "
                          f"{n} devices of the mesh")
-    sharding = batch_sharding(mesh, batch.ndim, batch_axis)
-    return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
+    return put_host(batch, batch_sharding(mesh, batch.ndim, batch_axis))
+
+
+def put_host(array, sharding: NamedSharding) -> jax.Array:
+    """An array that every process holds alike, as one array with `sharding`: each process
+    copies in only the shards its own devices hold (no cross-process check, unlike
+    `jax.device_put` onto a mesh that spans processes)."""
+    host = np.asarray(array)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -6,19 +6,23 @@ Usage:
   python -m training.train --text my.txt --run-dir runs/mine --max-steps 2000 --tokenizer bpe
   python -m training.train --run-dir runs/x              # resumes runs/x if it has checkpoints
   python -m training.train --cpu-devices 4 --devices 4 --shard-params true
+  python -m training.train --coordinator HOST0:5000 --num-processes 2 --process-id 0   # on
+  python -m training.train --coordinator HOST0:5000 --num-processes 2 --process-id 1   # each
 
 `--preset` picks a TrainConfig preset; every TrainConfig field is also a flag
 (`--batch-size 64`) overriding it, and the resolved config is saved as train_config.json. On
 CPU the host is split into one XLA device per core (`--cpu-devices`) and the batch is
 data-parallel over them. A run resumes from its latest good checkpoint; the batch for step s
 depends only on (seed, s), so a resumed run sees exactly the data an uninterrupted run would
-have seen.
+have seen. Several processes (hosts) train one model through `jax.distributed`
+(`training/distributed.py`; training/README.md shows SLURM and ssh launches).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import inspect
 import json
 import math
@@ -42,7 +46,7 @@ from gpt_jax.config import GPTConfig
 from gpt_jax.model import forward, unstack_layers
 from gpt_jax.params import init_params, param_count
 from gpt_jax.tokenizer import BPETokenizer, CharTokenizer
-from training import data, report, sharding
+from training import data, distributed, report, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +166,12 @@ class Batches:
     val_chars_per_token: float  # characters per token in the val split, to report nats/char
 
 
-def split_host(cfg: TrainConfig) -> None:
+def split_host(cfg: TrainConfig, processes: int = 1) -> None:
     """Split the host CPU into XLA devices for data parallelism (`sharding.split_host_cpu`):
-    `cfg.cpu_devices` of them, or for 0 the largest divisor of `batch_size` that is at most
-    the core count, unless XLA_FLAGS already sets --xla_force_host_platform_device_count
-    (then that count stands). The command line calls this before JAX's first operation.
+    `cfg.cpu_devices` of them, or for 0 the largest count that is at most the core count
+    and, times `processes` (each splitting its host alike), divides `batch_size`, unless
+    XLA_FLAGS already sets --xla_force_host_platform_device_count (then that count stands).
+    The command line calls this before JAX's first operation.
 
     Raises:
       RuntimeError: JAX has already run an operation (from `jax.config`).
@@ -175,8 +180,8 @@ def split_host(cfg: TrainConfig) -> None:
     if not n:
         if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
             return
-        n = max(d for d in range(1, min(sharding.host_cores(), cfg.batch_size) + 1)
-                if cfg.batch_size % d == 0)
+        n = max((d for d in range(1, min(sharding.host_cores(), cfg.batch_size) + 1)
+                 if cfg.batch_size % (d * processes) == 0), default=1)
     sharding.split_host_cpu(n)
 
 
@@ -315,31 +320,54 @@ def prepare_run(cfg: TrainConfig):
 
 
 def init_state(cfg: TrainConfig, config: GPTConfig, optimizer, mesh):
-    """Fresh params and optimizer state, placed on the mesh, and their shardings."""
-    params = init_params(config, jax.random.key(cfg.seed))
-    params = sharding.put_tree(params, mesh, cfg.shard_params)
-    opt_state = sharding.put_tree(optimizer.init(params), mesh, cfg.shard_params)
-    shardings = (sharding.tree_shardings(params, mesh, cfg.shard_params),
-                 sharding.tree_shardings(opt_state, mesh, cfg.shard_params))
-    return params, opt_state, shardings
+    """Fresh params and optimizer state, placed on the mesh, and their shardings.
+
+    With several processes the params are drawn by process 0 and sent to the others, and
+    each process supplies only its own devices' shards (`sharding.put_host`); the optimizer
+    state is made on the mesh by one jitted program. Avoided: `device_put` of host copies
+    checks leaf by leaf that every process holds the same copy (a cross-process gather per
+    array, 4-8 s of start-up for the tiny model), and drawing them everywhere compiles the
+    init on every process but 0 (on CPU JAX's persistent cache serves process 0 alone).
+    """
+    params = distributed.on_process_0(lambda: init_params(config, jax.random.key(cfg.seed)))
+    param_shardings = sharding.tree_shardings(params, mesh, cfg.shard_params)
+    params = jax.tree.map(sharding.put_host, params, param_shardings)
+    opt_shardings = sharding.tree_shardings(jax.eval_shape(optimizer.init, params), mesh,
+                                            cfg.shard_params)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    return params, opt_state, (param_shardings, opt_shardings)
 
 
 def start_or_resume(cfg, config, tokenizer, params, opt_state, mngr):
-    """Restore the latest good checkpoint, or write the run's config files. Returns
+    """Restore the latest good checkpoint (every process: each restores its own shards),
+    or write the run's config files (process 0 alone). Returns
     `(params, opt_state, step, elapsed_s)`."""
-    run_dir = Path(cfg.run_dir)
+    run_dir, primary = Path(cfg.run_dir), distributed.is_primary()
     if mngr.all_steps():
         params, opt_state, meta = checkpoint.restore(mngr, None, params, opt_state)
         step, elapsed = int(meta["step"]), float(meta.get("elapsed_s", 0.0))
-        report.truncate_metrics(run_dir, step)  # drop evaluations logged after it
-        print(f"resuming {run_dir} from step {step}")
+        if primary:
+            report.truncate_metrics(run_dir, step)  # drop evaluations logged after it
+            print(f"resuming {run_dir} from step {step}")
     else:
-        checkpoint.save_config(run_dir, config)
-        checkpoint.save_tokenizer(run_dir, tokenizer)
+        if primary:
+            checkpoint.save_config(run_dir, config)
+            checkpoint.save_tokenizer(run_dir, tokenizer)
         step, elapsed = 0, 0.0
-    # Rewritten on resume too: it is what a later `--run-dir DIR` alone resumes with.
-    checkpoint.write_json_atomic(run_dir / "train_config.json", dataclasses.asdict(cfg))
+    if primary:  # rewritten on resume too: what a later `--run-dir DIR` alone resumes with
+        checkpoint.write_json_atomic(run_dir / "train_config.json", dataclasses.asdict(cfg))
     return params, opt_state, step, elapsed
+
+
+def check_same_corpus(batches: Batches, config: GPTConfig) -> None:
+    """Every process tokenized the same corpus the same way (a collective, so also the
+    barrier before process 0 writes into the run directory that the others just read)."""
+    if jax.process_count() == 1:
+        return
+    sha = lambda a: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()  # noqa: E731
+    distributed.check_same("corpus and tokenizer", {
+        "train_tokens_sha256": sha(batches.train), "val_tokens_sha256": sha(batches.val),
+        "vocab_size": config.vocab_size})
 
 
 def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
@@ -354,6 +382,7 @@ def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
                          f"{mesh.devices.size} devices of the mesh (set --devices, or "
                          "--cpu-devices on CPU)")
     config, tokenizer, batches = prepare_run(cfg)
+    check_same_corpus(batches, config)
     cfg = dataclasses.replace(cfg, block_size=batches.block)
     optimizer = make_optimizer(cfg)
     params, opt_state, shardings = init_state(cfg, config, optimizer, mesh)
@@ -362,19 +391,22 @@ def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
                                                          opt_state, mngr)
     flops_per_token = report.flops_per_token(config, params, batches.block)
     peak = cfg.peak_flops or report.measure_peak_flops(mesh)
-    print(f"model {cfg.model}: {param_count(params) / 1e6:.2f}M params, vocab "
-          f"{config.vocab_size}, block {batches.block}, {len(batches.train):,} train tokens, "
-          f"{mesh.devices.size} device(s), peak {peak / 1e9:.0f} GFLOP/s")
+    if distributed.is_primary():
+        print(f"model {cfg.model}: {param_count(params) / 1e6:.2f}M params, vocab "
+              f"{config.vocab_size}, block {batches.block}, {len(batches.train):,} train "
+              f"tokens, {mesh.devices.size} device(s) in {jax.process_count()} process(es), "
+              f"peak {peak / 1e9:.0f} GFLOP/s")
     train_step = make_train_step(config, optimizer, jnp.dtype(cfg.compute_dtype), shardings)
     loop = Loop(cfg, config, tokenizer, batches, mesh, mngr, flops_per_token, peak, elapsed0)
     params, opt_state = loop.run(train_step, params, opt_state, start, on_eval)
-    if jax.process_index() == 0:
+    if distributed.is_primary():
         report.plot_losses(cfg.run_dir)
     return loop.summary()
 
 
 class Loop:
-    """The training loop's bookkeeping: timing, progress bar, evaluation, checkpoints."""
+    """The training loop's bookkeeping: timing, progress bar, evaluation, checkpoints. In a
+    multi-process run every process runs it; process 0 alone prints and logs."""
 
     def __init__(self, cfg, config, tokenizer, batches, mesh, mngr, flops_per_token, peak,
                  elapsed0):
@@ -382,36 +414,67 @@ class Loop:
         self.mesh, self.mngr, self.flops_per_token, self.peak = mesh, mngr, flops_per_token, peak
         self.elapsed0, self.train_seconds, self.steps_run = elapsed0, 0.0, 0
         self.step, self.loss, self.losses, self.evals = 0, math.nan, [], {}
+        self.saved_step, self.primary = None, distributed.is_primary()
 
     def run(self, train_step, params, opt_state, start, on_eval):
+        """Raises RunAborted (with where to resume) when a step fails in a multi-process
+        run: that is how another process stopping shows on this one."""
         cfg, t0 = self.cfg, time.perf_counter()
-        self.step = start
+        self.step = self.saved_step = start
         bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps,
-                   unit="step", file=sys.stdout, mininterval=1.0)
+                   unit="step", file=sys.stdout, mininterval=1.0, disable=not self.primary)
         for step in bar:
-            x, y = step_batch(cfg, self.batches, step)
-            tick = time.perf_counter()
-            params, opt_state, loss = train_step(params, opt_state,
-                                                 sharding.put_batch(x, self.mesh, 1),
-                                                 sharding.put_batch(y, self.mesh, 1))
-            self.loss = float(loss)  # syncs, so the timing below is real
-            if step > start:  # the first step of a process compiles: not throughput
-                self.train_seconds += time.perf_counter() - tick
-                self.steps_run += 1
-            self.step = step + 1
-            self.losses.append(self.loss)
-            bar.set_postfix_str(self.postfix(), refresh=False)
-            elapsed = time.perf_counter() - t0
-            out_of_time = bool(cfg.time_budget_s) and elapsed >= cfg.time_budget_s
-            if self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps or out_of_time:
-                self.checkpoint(params, opt_state, self.elapsed0 + elapsed, bar)
-                if on_eval:
-                    on_eval(self.step, params)
-            if out_of_time:
-                bar.write(f"time budget of {cfg.time_budget_s:.0f}s reached at step {self.step}")
+            try:
+                params, opt_state, stop = self.one_step(train_step, params, opt_state, step,
+                                                        start, t0, bar, on_eval)
+            except Exception as error:
+                if jax.process_count() == 1:
+                    raise
+                raise distributed.RunAborted(
+                    f"process {jax.process_index()} of {jax.process_count()} stopped at step "
+                    f"{step + 1}: {str(error).splitlines()[0][:300]}. In a multi-process run "
+                    "this is how another process stopping shows. Start every process again "
+                    "with the same command: the run resumes from the last complete "
+                    f"checkpoint in {self.mngr.directory} (this process saved up to step "
+                    f"{self.saved_step})") from error
+            if stop:
                 break
         bar.close()
         return params, opt_state
+
+    def one_step(self, train_step, params, opt_state, step, start, t0, bar, on_eval):
+        """Step `step`, then evaluate and checkpoint when it is time. Returns
+        `(params, opt_state, stop)`; `stop` when the time budget is spent."""
+        cfg = self.cfg
+        x, y = step_batch(cfg, self.batches, step)
+        tick = time.perf_counter()
+        params, opt_state, loss = train_step(params, opt_state,
+                                             sharding.put_batch(x, self.mesh, 1),
+                                             sharding.put_batch(y, self.mesh, 1))
+        self.loss = float(loss)  # syncs, so the timing below is real
+        if step > start:  # the first step of a process compiles: not throughput
+            self.train_seconds += time.perf_counter() - tick
+            self.steps_run += 1
+        self.step = step + 1
+        self.losses.append(self.loss)
+        bar.set_postfix_str(self.postfix(), refresh=False)
+        elapsed = time.perf_counter() - t0
+        out_of_time = bool(cfg.time_budget_s) and elapsed >= cfg.time_budget_s
+        if cfg.time_budget_s and jax.process_count() > 1:  # clocks differ: process 0 decides
+            from jax.experimental import multihost_utils
+
+            out_of_time = bool(multihost_utils.broadcast_one_to_all(np.bool_(out_of_time)))
+        if self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps or out_of_time:
+            self.checkpoint(params, opt_state, self.elapsed0 + elapsed, bar)
+            if on_eval:
+                on_eval(self.step, params)
+        if out_of_time:
+            self.say(bar, f"time budget of {cfg.time_budget_s:.0f}s reached at step {self.step}")
+        return params, opt_state, out_of_time
+
+    def say(self, bar, text: str) -> None:
+        if self.primary:  # tqdm.write prints even for a disabled bar
+            bar.write(text)
 
     def tokens_per_s(self) -> float:
         """Training throughput, the compiling first step left out."""
@@ -423,21 +486,26 @@ class Loop:
         return f"loss={self.loss:.3f}, tok/s={tok_s:,.0f}, MFU={100 * mfu:.1f}%"
 
     def checkpoint(self, params, opt_state, elapsed, bar):
-        """Evaluate, log a metrics line, print a sample, save a checkpoint."""
+        """Evaluate, log a metrics line, print a sample, save a checkpoint (every process
+        takes part in the evaluation and the save; process 0 logs and samples)."""
         self.evals = evaluate(params, self.config, self.cfg, self.batches, self.mesh)
         record = {"step": self.step, "train_loss": float(np.mean(self.losses)),
-                  **self.evals, "elapsed_s": elapsed, "tokens_per_s": self.tokens_per_s()}
+                  **self.evals, "elapsed_s": elapsed, "tokens_per_s": self.tokens_per_s(),
+                  "train_losses": self.losses}  # every step's loss since the last line
         self.losses = []
-        if jax.process_index() == 0:  # one writer when several hosts train together
+        if self.primary:  # one writer when several processes train together
             report.append_metrics(self.cfg.run_dir, record)
-        bar.write(f"step {self.step}: train {record['train_loss']:.4f} val "
-                  f"{self.evals['val_loss']:.4f} nats/token "
-                  f"({self.evals['val_loss_per_char']:.4f}/char), {elapsed:.0f}s")
+        self.say(bar, f"step {self.step}: train {record['train_loss']:.4f} val "
+                      f"{self.evals['val_loss']:.4f} nats/token "
+                      f"({self.evals['val_loss_per_char']:.4f}/char), {elapsed:.0f}s")
         if self.cfg.sample_tokens:
-            bar.write(report.sample(params, self.config, self.tokenizer, self.batches.val[:1],
-                                        self.cfg.sample_tokens, self.step))
+            local = distributed.local_copy(params)  # joined by all when params span processes
+            if self.primary:  # on process 0's own device: no other process takes part
+                bar.write(report.sample(local, self.config, self.tokenizer,
+                                        self.batches.val[:1], self.cfg.sample_tokens, self.step))
         checkpoint.save(self.mngr, self.step, params, opt_state,
                         {"step": self.step, "elapsed_s": elapsed}, self.evals["val_loss"])
+        self.saved_step = self.step
 
     def summary(self) -> dict[str, Any]:
         return {"steps": self.step, "train_loss": self.loss, **self.evals,
@@ -496,33 +564,52 @@ def parser_for(cls, defaults: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(argv=None) -> TrainConfig:
-    """The flags given, over `--preset NAME`; without `--preset`, over the run directory's
-    saved `train_config.json` when it has one (so `--run-dir DIR` alone resumes that run as it
-    was started, and `--max-steps N` extends it), else over the shakespeare-char preset."""
+def parse_args(argv=None) -> tuple[TrainConfig, distributed.DistributedConfig]:
+    """The TrainConfig of the flags given, over `--preset NAME`; without `--preset`, over
+    the run directory's saved `train_config.json` when it has one (so `--run-dir DIR` alone
+    resumes that run as it was started, and `--max-steps N` extends it), else over the
+    shakespeare-char preset. And how this process joins a multi-process run."""
     parser = parser_for(TrainConfig, defaults=False)
     parser.add_argument("--preset", default=None,
                         help=f"one of {sorted(TRAIN_PRESETS)}; default: the run directory's "
                              "saved train_config.json, else shakespeare-char")
+    distributed.add_flags(parser)
     args = vars(parser.parse_args(argv))
+    dist = distributed.from_args(args)
     name = args.pop("preset")
     overrides = {k: v for k, v in args.items() if v is not None}
     saved = Path(overrides.get("run_dir", TrainConfig().run_dir)) / "train_config.json"
     if name is None and saved.exists():
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         base = {k: v for k, v in json.loads(saved.read_text()).items() if k in fields}
-        return dataclasses.replace(TrainConfig(**base), **overrides)
-    return TrainConfig.preset(name or "shakespeare-char", **overrides)
+        return dataclasses.replace(TrainConfig(**base), **overrides), dist
+    return TrainConfig.preset(name or "shakespeare-char", **overrides), dist
+
+
+def config_from_args(argv=None) -> TrainConfig:
+    """The TrainConfig of `parse_args`."""
+    return parse_args(argv)[0]
 
 
 def main(argv=None):
+    """Parse, join the other processes (if any) before any JAX work, check they all run the
+    same flags, train; process 0 prints the summary."""
     try:
-        cfg = config_from_args(argv)
-        split_host(cfg)
+        cfg, dist = parse_args(argv)
+        processes = distributed.expected_processes(dist)
+        if cfg.batch_size % processes:  # known before starting: no process waits for this
+            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the "
+                             f"{processes} processes (each feeds batch_size / processes rows)")
+        split_host(cfg, processes)
+        distributed.start(dist)
+        distributed.check_same("flags", dataclasses.asdict(cfg))
         summary = train(cfg)
-    except (ValueError, FileNotFoundError) as error:  # bad input: a one-line error
-        raise SystemExit(f"train: {error}") from None
-    print(json.dumps(summary, indent=2))
+    except distributed.RunAborted as error:  # the others may be gone: leave without them
+        distributed.exit_now(f"train: {error}")
+    except (ValueError, FileNotFoundError, distributed.DistributedError) as error:
+        raise SystemExit(f"train: {error}") from None  # bad input: a one-line error
+    if distributed.is_primary():
+        print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
