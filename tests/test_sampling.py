@@ -142,7 +142,7 @@ def test_g10_per_row_top_k_in_one_batch_equals_solo():
 
 
 def test_g10_negative_top_k_is_rejected_before_tracing():
-    with pytest.raises(ValueError, match=r"SamplingParams.top_k=-1 is out of range; allowed: >= 0"):
+    with pytest.raises(ValueError, match=r"SamplingParams.top_k=-1 is out of range; allowed: \[0, 2147483647\]"):
         SamplingParams(top_k=-1)
 
 
