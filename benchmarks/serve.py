@@ -1,5 +1,6 @@
-"""Load test: `gpt-jax serve` against `transformers serve --continuous-batching`, one server at
-a time, the same seeded workload and the same client (the `openai` async client, streaming).
+"""Load test: `gpt-jax serve` against `transformers serve --continuous-batching`, the same
+seeded workload and the same client (the `openai` async client, streaming). Both servers are
+up; one is sent traffic at a time, rate by rate, in alternating order.
 
 Usage (also `gpt-jax bench serve [flags]`; writes benchmarks/results/serve-load.json + .png):
   pip install -e '.[hf,bench]'     # transformers + torch (CPU) + accelerate
@@ -16,7 +17,8 @@ the corpus with token lengths uniform in [--prompt-min, --prompt-max], max_token
 counts as failed. Figures per server and rate: generated tokens/s (all tokens / (last finish
 - first send)), time to first token (TTFT) and inter-token latency (ITL, per request: (last
 - first chunk time) / (tokens - 1)) p50 and p99, failed requests. Each server is warmed up
-(its programs compiled) by a few requests before the first timed rate. Traffic goes to
+(its programs compiled) by a few requests before the first timed rate; an idle server
+waits without using the CPU. Traffic goes to
 127.0.0.1 only.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -191,41 +194,72 @@ def profile_summary(raw: Path, tokens: int) -> dict:
             "event_loop_ms_per_token": {k: 1e3 * v / max(1, tokens) for k, v in parts.items()}}
 
 
-def run_server(name: str, args) -> list[dict]:
+@dataclasses.dataclass
+class Server:
+    name: str  # "gpt-jax" or "transformers"
+    proc: subprocess.Popen
+    base_url: str  # http://127.0.0.1:PORT/v1
+    model: str  # the model name it serves
+
+
+def launch(name: str, args) -> Server:
+    """Start a server, wait until it answers /health, and warm it up (its programs compiled)
+    with a few requests."""
     port = free_port()
-    proc = start(name, args, port)
-    model = "model" if name == "gpt-jax" else str(args.model_dir)
-    base = f"http://127.0.0.1:{port}/v1"
+    server = Server(name, start(name, args, port), f"http://127.0.0.1:{port}/v1",
+                    "model" if name == "gpt-jax" else str(args.model_dir))
+    wait_healthy(server.proc, port, args.start_timeout)
+    warm = [(0.0, p, m) for _, p, m in workload(args, 1.0, seed=99)[:4]]
+    asyncio.run(replay(server.base_url, server.model, warm, args.time_limit))
+    return server
+
+
+def stop(server: Server) -> None:
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        server.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+
+
+def measure(server: Server, rate: float, args) -> dict:
+    """One rate's workload against one server; py-spy samples gpt-jax at the highest rate
+    when --profile is given."""
+    spy = None
+    if args.profile and server.name == "gpt-jax" and rate == max(args.rates):
+        raw = args.log_dir / "py-spy.txt"
+        spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record",
+                                "--pid", str(server.proc.pid), "--format", "raw", "--threads",
+                                "--rate", str(SPY_HZ), "--output", str(raw)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    records = asyncio.run(replay(server.base_url, server.model, workload(args, rate, seed=0),
+                                 args.time_limit))
+    row = {"server": server.name, "rate": rate, **figures(records)}
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=60)
+        tokens = sum(r["max_tokens"] for r in records if r["error"] is None)
+        args.profile_result = profile_summary(raw, tokens)
+        print(args.profile_result, flush=True)
+    print(row, flush=True)
+    return row
+
+
+def run(args) -> list[dict]:
+    """Every server up (started one after another), then each rate against each server in
+    turn, the order alternating from rate to rate: a machine that gets busier or quieter
+    during the run slows both alike."""
+    servers: list[Server] = []
     rows = []
     try:
-        wait_healthy(proc, port, args.start_timeout)
-        warm = [(0.0, p, m) for _, p, m in workload(args, 1.0, seed=99)[:4]]
-        asyncio.run(replay(base, model, warm, args.time_limit))
-        for rate in args.rates:
-            spy = None
-            if args.profile and name == "gpt-jax" and rate == max(args.rates):
-                raw = args.log_dir / "py-spy.txt"
-                spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record",
-                                        "--pid", str(proc.pid), "--format", "raw", "--threads",
-                                        "--rate", str(SPY_HZ), "--output", str(raw)],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            records = asyncio.run(replay(base, model, workload(args, rate, seed=0),
-                                         args.time_limit))
-            row = {"server": name, "rate": rate, **figures(records)}
-            if spy is not None:
-                spy.send_signal(signal.SIGINT)
-                spy.wait(timeout=60)
-                tokens = sum(r["max_tokens"] for r in records if r["error"] is None)
-                args.profile_result = profile_summary(raw, tokens)
-                print(args.profile_result, flush=True)
-            print({k: v for k, v in row.items()}, flush=True)
-            rows.append(row)
+        for name in args.servers:
+            servers.append(launch(name, args))
+        for i, rate in enumerate(args.rates):
+            for server in servers if i % 2 == 0 else servers[::-1]:
+                rows.append(measure(server, rate, args))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for server in servers:
+            stop(server)
     return rows
 
 
@@ -266,7 +300,7 @@ def main(argv=None) -> None:
     args.log_dir = Path(tempfile.mkdtemp(prefix="gpt-jax-bench-serve-"))
     args.profile_result = None
     print(f"model: {args.model_dir}; server logs: {args.log_dir}", flush=True)
-    rows = [row for name in args.servers for row in run_server(name, args)]
+    rows = run(args)
     for row in rows:
         row["errors"] = "; ".join(row["errors"])
     extra = {"workload": {k: getattr(args, k) for k in (

@@ -776,9 +776,15 @@ def main(argv=None) -> None:
             raise ValueError(f"{source} has no tokenizer")
         cfg.eos_token_id = eos
         engine = Engine(params, config, tokenizer, max_slots=args.max_slots,
-                        kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype)
+                        kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
+                        quantize=args.quantize)
         if not args.no_warmup:
-            engine.warmup()
+            print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} slots); "
+                  "/health answers 503 until they are ready", flush=True)
+            tick = time.monotonic()
+            compiled = engine.warmup()
+            print(f"gpt-jax serve: {compiled} programs compiled in "
+                  f"{time.monotonic() - tick:.0f} s", flush=True)
         print(f"gpt-jax serve: {cfg.model_name} ready on http://{args.host}:{args.port}",
               flush=True)
         return engine
