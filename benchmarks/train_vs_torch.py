@@ -28,22 +28,24 @@ import numpy as np
 def jax_runner(batches, steps, threads):
     from gpt_jax.config import GPTConfig
     from training import sharding
-    from training.train import TrainConfig, init_state, make_optimizer, make_train_step, split_host
+    from training.config import TrainConfig
+    from training.step import init_state, make_optimizer, make_train_step
+    from training.train import split_host
 
     cfg = TrainConfig.preset("nanogpt-cpu", cpu_devices=threads)
     split_host(cfg)  # before JAX's first operation
     config = GPTConfig.preset("nanogpt-cpu", vocab_size=65)
     mesh = sharding.make_mesh(cfg.devices)
     optimizer = make_optimizer(cfg)
-    params, opt_state, shardings = init_state(cfg, config, optimizer, mesh)
-    state = {"params": params, "opt": opt_state}
+    state, shardings = init_state(cfg, config, optimizer, mesh)
+    held = {"state": state}  # the step donates the old state: keep only the new one
     step = make_train_step(config, optimizer, shardings=shardings)
 
     def run(n):
         loss = None
         for i in range(n):  # each batch placed on the mesh per step, as the training loop does
             x, y = (sharding.put_batch(a[None], mesh, 1) for a in batches[i % len(batches)])
-            state["params"], state["opt"], loss = step(state["params"], state["opt"], x, y)
+            held["state"], loss = step(held["state"], x, y)
         return float(loss)  # waits for the last step
 
     run(3)  # compile and warm up

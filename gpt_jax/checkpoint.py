@@ -8,12 +8,17 @@ Layout of a run directory:
   loss.png           train and val loss against step and against wall time
   checkpoints/<step>/{params,opt_state,meta}   Orbax, written atomically; the last k and
                      the one with the lowest val loss are kept
+  checkpoints/<step>/files.sha256.json   the digest of every file above
 
 Every file is written to a temporary name and renamed into place, and Orbax finalises a
 checkpoint only once all of it is on disk, so a run killed at any moment leaves the previous
-complete checkpoint intact. Each checkpoint's meta also holds a SHA-256 digest of its arrays:
-a checkpoint that fails to load or whose digest differs (truncated or corrupted on disk) is
-reported by path and the previous good one is used.
+complete checkpoint intact. Each checkpoint also holds SHA-256 digests of its files
+(`files.sha256.json`, written once Orbax has finalised it) and, in its meta, of its arrays. A
+restore checks the files first, so a damaged checkpoint (truncated or corrupted on disk) is
+refused before Orbax reads it: a read that fails inside Orbax leaves its other reads running
+against an event loop Orbax has closed ("Event loop is closed" at exit). The restored arrays
+are then checked against their digests. A checkpoint refused either way is reported by path
+and the previous good one is used.
 """
 
 from __future__ import annotations
@@ -113,6 +118,46 @@ def digest(*trees) -> str:
     return h.hexdigest()
 
 
+FILE_DIGESTS = "files.sha256.json"  # in each step directory, beside Orbax's items
+
+
+def _file_digests(step_dir: Path, items=("params", "opt_state", "meta")) -> dict[str, str]:
+    """SHA-256 of every file of the given items, by path relative to `step_dir`."""
+    digests = {}
+    for item in items:
+        for path in sorted((step_dir / item).rglob("*")):
+            if path.is_file():
+                h = hashlib.sha256()
+                with path.open("rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+                digests[str(path.relative_to(step_dir))] = h.hexdigest()
+    return digests
+
+
+def _check_files(step_dir: Path, items) -> None:
+    """Compare the files of `items` with the digests saved beside them; a checkpoint saved
+    without them (by an older version, or killed before they were written) passes.
+
+    Raises:
+      CorruptCheckpointError: a file is missing or changed (naming it).
+    """
+    saved_path = step_dir / FILE_DIGESTS
+    if not saved_path.exists():
+        return
+    try:
+        saved = json.loads(saved_path.read_text())
+    except ValueError as e:
+        raise CorruptCheckpointError(f"checkpoint {step_dir} is corrupt: {FILE_DIGESTS} "
+                                     f"cannot be read ({e})") from e
+    found = _file_digests(step_dir, items)
+    for name, digest_saved in sorted(saved.items()):
+        if name.split("/")[0] in items and found.get(name) != digest_saved:
+            what = "is missing" if name not in found else "does not match its saved digest"
+            raise CorruptCheckpointError(f"checkpoint {step_dir} is corrupt: its file "
+                                         f"{name} {what}")
+
+
 def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, meta: dict,
          val_loss: float | None = None) -> None:
     """Save params, optimizer state and JSON metadata (step, data position, digests) at
@@ -124,17 +169,21 @@ def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, meta: dict,
         meta=ocp.args.JsonSave(meta),
     ), metrics=None if val_loss is None else {"val_loss": float(val_loss)})
     mngr.wait_until_finished()
+    if jax.process_index() == 0:  # once every process's files are in place (Orbax's barrier)
+        step_dir = Path(mngr.directory) / str(step)
+        write_json_atomic(step_dir / FILE_DIGESTS, _file_digests(step_dir))
 
 
 def _restore_step(mngr, step, params_like, opt_state_like):
-    """One checkpoint, verified against its digests; `opt_state_like=None` skips the
-    optimizer state (returned as None)."""
+    """One checkpoint, its files and then its arrays verified against their digests;
+    `opt_state_like=None` skips the optimizer state (returned as None)."""
     abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)  # noqa: E731
     items = {"params": ocp.args.StandardRestore(abstract(params_like)),
              "meta": ocp.args.JsonRestore()}
     if opt_state_like is not None:
         items["opt_state"] = ocp.args.StandardRestore(abstract(opt_state_like))
     path = mngr.directory / str(step)
+    _check_files(Path(path), tuple(items))  # before Orbax reads anything
     try:
         out = mngr.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # Orbax/tensorstore raise many types for a damaged file
@@ -195,16 +244,17 @@ def load_params(run_dir, step: int | None = None):
             "`LLM.from_checkpoint` and `Engine` run in one process, without --coordinator; a "
             "checkpoint from a multi-process run loads there as it is")
     config = load_config(run_dir)
-    mngr = manager(run_dir)
-    steps = sorted(mngr.all_steps())
-    if not steps:
-        raise FileNotFoundError(f"{run_dir} has no checkpoint under checkpoints/")
-    if step is not None and step not in steps:
-        raise ValueError(f"{run_dir} has no checkpoint at step {step}; its steps are {steps}")
-    # On this process's first device, whatever mesh the run was trained (and saved) on.
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    params_like = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-        jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0)))
-    params, _, _ = restore(mngr, step, params_like, None)
+    with manager(run_dir) as mngr:  # closed on every path: its threads end with it
+        steps = sorted(mngr.all_steps())
+        if not steps:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint under checkpoints/")
+        if step is not None and step not in steps:
+            raise ValueError(f"{run_dir} has no checkpoint at step {step}; its steps are "
+                             f"{steps}")
+        # On this process's first device, whatever mesh the run was trained (and saved) on.
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        params_like = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+            jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0)))
+        params, _, _ = restore(mngr, step, params_like, None)
     return config, params, load_tokenizer(run_dir)

@@ -61,16 +61,16 @@ def _step(mesh, shard_params, config, cfg, x, y):
 
     import jax
 
-    from training import sharding, train
+    from training import sharding, step
 
     cfg = dataclasses.replace(cfg, shard_params=shard_params)
-    optimizer = train.make_optimizer(cfg)
-    params, opt_state, shardings = train.init_state(cfg, config, optimizer, mesh)
-    step = train.make_train_step(config, optimizer, shardings=shardings)
+    optimizer = step.make_optimizer(cfg)
+    state, shardings = step.init_state(cfg, config, optimizer, mesh)
+    train_step = step.make_train_step(config, optimizer, shardings=shardings)
     xs, ys = sharding.put_batch(x, mesh, 1), sharding.put_batch(y, mesh, 1)
-    params, opt_state, loss = step(params, opt_state, xs, ys)
-    wte_shards = len({str(s.index) for s in params["wte"].addressable_shards})
-    return float(loss), jax.device_get(params), len(xs.sharding.device_set), wte_shards
+    state, loss = train_step(state, xs, ys)
+    wte_shards = len({str(s.index) for s in state.params["wte"].addressable_shards})
+    return float(loss), jax.device_get(state.params), len(xs.sharding.device_set), wte_shards
 
 
 def main():
@@ -81,9 +81,10 @@ def main():
     from gpt_jax.config import GPTConfig
     from inference import SamplingParams, generate
     from training import sharding, train
+    from training.config import TrainConfig
 
     config = GPTConfig.preset("tiny")
-    cfg = train.TrainConfig.preset("tiny", grad_accum=2)
+    cfg = TrainConfig.preset("tiny", grad_accum=2)
     rng = np.random.default_rng(0)
     x = rng.integers(0, config.vocab_size, (2, 8, 32)).astype(np.int32)  # [A, B, T]
     y = np.roll(x, -1, axis=2)
@@ -103,12 +104,12 @@ def main():
     results["single_tokens"] = [c.tokens for c in single]
     run_dir = Path(tempfile.mkdtemp()) / "run"
     try:
-        train.train(train.TrainConfig.preset("tiny", batch_size=6, run_dir=str(run_dir)))
+        train.train(TrainConfig.preset("tiny", batch_size=6, run_dir=str(run_dir)))
     except ValueError as error:
         results["indivisible_batch"] = [str(error), run_dir.exists()]
     # A short run on all 4 devices, params sharded, for the parent process to load.
-    train.train(train.TrainConfig.preset("tiny", max_steps=2, eval_interval=2, eval_batches=1,
-                                         shard_params=True, run_dir=str(run_dir)))
+    train.train(TrainConfig.preset("tiny", max_steps=2, eval_interval=2, eval_batches=1,
+                                   shard_params=True, run_dir=str(run_dir)))
     results["run_dir"] = str(run_dir)
     results["sharded_tokens"] = [c.tokens for c in split]
     print(json.dumps(results))

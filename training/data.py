@@ -10,6 +10,7 @@ batches an uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -101,6 +102,16 @@ def load_text(path: str | os.PathLike) -> str:
     if not text:
         raise ValueError(f"{path} is empty: a corpus needs text")
     return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """Everything a run draws batches from, resolved once (`training.train.prepare_run`)."""
+
+    train: np.ndarray  # int32 [n_train] token ids
+    val: np.ndarray  # int32 [n_val] token ids
+    block: int  # tokens per sequence
+    val_chars_per_token: float  # characters per token in the val split, to report nats/char
 
 
 def split(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:

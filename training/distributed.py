@@ -22,7 +22,6 @@ Usage (two processes on this machine; on a cluster, process 0's host and a free 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import errno
 import hashlib
@@ -31,11 +30,15 @@ import os
 import socket
 import sys
 import time
+import typing
+from typing import Annotated, Literal
 
 import jax
 import numpy as np
+import tyro
 
-MODES = ("auto", "on", "off")
+Mode = Literal["auto", "on", "off"]
+MODES = typing.get_args(Mode)
 
 
 class DistributedError(RuntimeError):
@@ -49,19 +52,28 @@ class RunAborted(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    """How this process joins a multi-process run. Not part of TrainConfig: it differs
-    between the processes of one run, and a run may resume on another process count.
+    """How this process joins a multi-process run (see training/README.md). Not part of
+    TrainConfig: it differs between the processes of one run, and a run may resume on
+    another process count.
 
     Raises:
       ValueError: a value out of range (naming the flag, the value and the range).
     """
 
-    mode: str = "auto"  # "auto": start when the flags below or a launcher say so; "on"; "off"
-    coordinator: str | None = None  # HOST:PORT of process 0, where the others connect
-    num_processes: int | None = None  # processes in the run
-    process_id: int | None = None  # this process: 0 .. num_processes - 1
-    init_timeout_s: int = 300  # how long to wait for every process to join (JAX's default)
-    heartbeat_timeout_s: int = 100  # a process silent this long is declared dead (JAX's)
+    # auto: start jax.distributed when --coordinator, --num-processes or --process-id is
+    # given, or SLURM (srun) or Open MPI (mpirun) started several tasks; on: always (JAX
+    # reads the rest from the environment: Cloud TPU, Kubernetes); off: never
+    mode: Annotated[Mode, tyro.conf.arg(name="distributed")] = "auto"
+    # process 0's address and a free port, where the others connect; the same on every process
+    coordinator: Annotated[str | None, tyro.conf.arg(metavar="HOST:PORT")] = None
+    # processes in the run; the same on every process
+    num_processes: Annotated[int | None, tyro.conf.arg(metavar="N")] = None
+    # this process, 0 .. N-1 (process 0 hosts the coordinator)
+    process_id: Annotated[int | None, tyro.conf.arg(metavar="I")] = None
+    # wait at most S seconds for every process to join (JAX's default)
+    init_timeout_s: Annotated[int, tyro.conf.arg(metavar="S")] = 300
+    # a process silent for S seconds is declared dead and the run stops (JAX's default)
+    heartbeat_timeout_s: Annotated[int, tyro.conf.arg(metavar="S")] = 100
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -89,35 +101,6 @@ class DistributedConfig:
     def flags_given(self) -> bool:
         return any(v is not None for v in (self.coordinator, self.num_processes,
                                            self.process_id))
-
-
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of `DistributedConfig` (flag defaults None: the dataclass's apply)."""
-    group = parser.add_argument_group(
-        "several processes (jax.distributed; see training/README.md)")
-    group.add_argument("--distributed", dest="mode", choices=MODES, default=None,
-                       help="auto (default): start jax.distributed when --coordinator, "
-                            "--num-processes or --process-id is given, or SLURM (srun) or "
-                            "Open MPI (mpirun) started several tasks; on: always (JAX reads "
-                            "the rest from the environment: Cloud TPU, Kubernetes); off: never")
-    group.add_argument("--coordinator", metavar="HOST:PORT",
-                       help="process 0's address and a free port; the same on every process")
-    group.add_argument("--num-processes", type=int, metavar="N",
-                       help="processes in the run; the same on every process")
-    group.add_argument("--process-id", type=int, metavar="I",
-                       help="this process, 0 .. N-1 (process 0 hosts the coordinator)")
-    group.add_argument("--init-timeout-s", type=int, metavar="S",
-                       help="wait at most S seconds for every process to join (default 300)")
-    group.add_argument("--heartbeat-timeout-s", type=int, metavar="S",
-                       help="a process silent for S seconds is declared dead and the run "
-                            "stops (default 100)")
-
-
-def from_args(args: dict) -> DistributedConfig:
-    """Pop the `add_flags` values out of parsed arguments (`vars(namespace)`)."""
-    names = [f.name for f in dataclasses.fields(DistributedConfig)]
-    given = {name: args.pop(name) for name in names}
-    return DistributedConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 def launcher_processes() -> int | None:
