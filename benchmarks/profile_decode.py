@@ -3,6 +3,7 @@
 Usage:
   python benchmarks/profile_decode.py                  # gpt2, batch 8, live 128
   python benchmarks/profile_decode.py --batch 1 --live 64 --top 15
+  python benchmarks/profile_decode.py --batch 1 --quantize int8   # int8 weights
 
 Runs the decode step of `benchmarks/speed.py live-length` under `jax.profiler.trace`, then
 sums the trace's XLA op events per step by op kind, output shape and source (read from the
@@ -27,6 +28,7 @@ from speed import RESULTS, decode_runner, machine, preset, timed  # noqa: E402
 
 from gpt_jax import init_params  # noqa: E402
 from gpt_jax.model import decode_layout  # noqa: E402
+from gpt_jax.params import QUANTIZE, quantize  # noqa: E402
 
 NESTING = ("while", "cond", "call")  # containers: their ops are counted themselves
 
@@ -52,11 +54,13 @@ def main(argv=None) -> None:
     parser.add_argument("--live", type=int, default=128)
     parser.add_argument("--capacity", type=int, default=256)
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--quantize", choices=QUANTIZE, default=None, help="weights so")
     args = parser.parse_args(argv)
     config = preset(args.preset)
     # Laid out once, as LLM holds them: else every call re-lays the weights (per call, not
     # per step, but a large share of 8 profiled steps).
     params = jax.jit(decode_layout)(init_params(config, jax.random.key(0)))
+    params = quantize(params, args.quantize)
     steps = 8
     run = decode_runner(params, config, args.batch, args.capacity, args.live, steps)
     jax.block_until_ready(run())  # compile outside the trace
@@ -77,7 +81,8 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['ms_per_step']:8.2f} ms  {r['op']}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "profile_decode.json").write_text(json.dumps(
+    name = f"profile_decode-{args.quantize}" if args.quantize else "profile_decode"
+    (RESULTS / f"{name}.json").write_text(json.dumps(
         {"machine": machine(), "args": vars(args), "step_ms": 1e3 * step, "top": rows},
         indent=1))
 

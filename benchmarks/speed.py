@@ -4,13 +4,16 @@ decode cost, the memory roofline, time to first token and compile counts.
 Usage (also `gpt-jax bench NAME [flags]`; every run writes benchmarks/results/NAME.{json,png}):
   python benchmarks/speed.py throughput            # naive / ours b1 b8 b32 / transformers
   python benchmarks/speed.py throughput --batches 1 8 --new-tokens 32 --presets gpt2
+  python benchmarks/speed.py throughput --presets gpt2 --batches 1 8 --new-tokens 128 \
+      --quantize int8 --tag=-int8         # + int8 weights, beside float32 and transformers
   python benchmarks/speed.py live-length           # step time vs live length, capacity 1024
   python benchmarks/speed.py roofline              # bandwidth, bytes per step, bound vs step
   python benchmarks/speed.py ttft                  # time to first token, prompts 16..1024
   python benchmarks/speed.py compiles              # 100 requests, prompt lengths 1..512
 
 Weights are random (no downloads), float32 (`roofline` and `throughput --bf16` add the
-bfloat16 weights-and-cache mode). Ours and `transformers` run in the same process
+bfloat16 weights-and-cache mode, `throughput --quantize int8` the int8 weights). Ours and
+`transformers` run in the same process
 on identical weights (saved by transformers, imported with `gpt_jax.load_hf_gpt2`), in turn
 over `--rounds` rounds, each figure the median of its rounds, so a busy moment of the machine
 slows both alike: compare the ratios, not the absolute figures.
@@ -34,6 +37,7 @@ import numpy as np
 
 from gpt_jax import GPTConfig, init_params
 from gpt_jax.model import decode_layout
+from gpt_jax.params import QUANTIZE, is_quantized, quantize
 from inference import SamplingParams, compile_counts, generate
 from inference.engine import cached_model, init_cache_rows
 from inference.naive import naive_model
@@ -165,7 +169,8 @@ def naive_step_seconds(params, config, batch, new_tokens) -> float:
     tokens = jnp.asarray(random_prompts(config, batch), jnp.int32)
     lengths = jnp.full((batch,), PROMPT_LEN, jnp.int32)
     model = lambda params: naive_model(params, config, capacity, jnp.float32)  # noqa: E731
-    _, seqs = jax.jit(lambda p: model(p)[0](tokens, lengths))(params)
+    rows = jnp.arange(batch, dtype=jnp.int32)  # row b is prompt b
+    _, seqs = jax.jit(lambda p: model(p)[0](tokens, lengths, rows, False))(params)
     step = jax.jit(lambda p, s: model(p)[1](tokens[:, 0], s, jnp.ones((batch,), bool)))
     return timed(lambda: step(params, seqs), repeats=2)
 
@@ -184,6 +189,7 @@ def throughput(args) -> None:
         params_bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
         # Ours runs the weights in the decode layout, made once (as `LLM` does), not per call.
         laid_out, laid_out_bf16 = (jax.jit(decode_layout)(p) for p in (params, params_bf16))
+        quantized = quantize(params, args.quantize) if args.quantize else None
         for new in args.new_tokens:
             step = naive_step_seconds(params, config, 1, new)
             rows.append({"preset": name, "engine": "naive", "batch": 1, "new_tokens": new,
@@ -197,6 +203,9 @@ def throughput(args) -> None:
                     runs["gpt-jax bf16"] = functools.partial(
                         generate_seconds, laid_out_bf16, config, prompts, sp,
                         cache_dtype=jnp.bfloat16)
+                if quantized is not None:
+                    runs[f"gpt-jax {args.quantize}"] = functools.partial(
+                        generate_seconds, quantized, config, prompts, sp)
                 if model is not None:
                     runs["transformers"] = functools.partial(
                         hf_generate_seconds, model, prompts, new)
@@ -213,12 +222,15 @@ def throughput(args) -> None:
                         row["x_transformers"] = median["transformers"] / median[engine]
                     if engine == "gpt-jax" and batch == 1:
                         row["x_naive"] = row["tok_per_s"] * step  # naive runs 1/step tokens/s
-                    if engine == "gpt-jax bf16":
+                    if engine in ("gpt-jax bf16", f"gpt-jax {args.quantize}"):
                         row["x_float32"] = median["gpt-jax"] / median[engine]
+                        if model is not None:
+                            row["x_transformers"] = median["transformers"] / median[engine]
                     rows.append(row)
 
     def plot(ax, rows):
-        for engine in ("naive", "gpt-jax", "gpt-jax bf16", "transformers"):
+        for engine in ("naive", "gpt-jax", "gpt-jax bf16", f"gpt-jax {args.quantize}",
+                       "transformers"):
             sel = [r for r in rows if r["engine"] == engine and r["preset"] == args.presets[0]
                    and r["new_tokens"] == args.new_tokens[0]]
             if sel:
@@ -231,7 +243,8 @@ def throughput(args) -> None:
                       f"{args.new_tokens[0]} new)")
         ax.legend()
 
-    save("throughput" + args.tag, rows, plot, {"threads": args.threads})
+    save("throughput" + args.tag, rows, plot, {"threads": args.threads,
+                                               "quantize": args.quantize})
 
 
 # ----------------------------------------------------------------- 3: decode vs live length
@@ -241,9 +254,9 @@ def decode_runner(params, config, batch, capacity, live, steps=8):
     """A zero-argument function running `steps` cached decode steps, as the generation loop
     runs them (paged cache, greedy token fed back), with every row at `live` tokens; the
     steps do not advance, so the live length stays fixed. The cache takes the dtype of the
-    params. Each step's logits pick the next tokens: left unused, XLA would drop the output
-    projection and the last layer's attention as dead code."""
-    dtype = params["wte"].dtype
+    params (float32 for int8 ones). Each step's logits pick the next tokens: left unused,
+    XLA would drop the output projection and the last layer's attention as dead code."""
+    dtype = jnp.float32 if is_quantized(params) else params["wte"].dtype
 
     @jax.jit
     def run(params, cache):  # params as an argument: closed over, XLA would fold 500 MB
@@ -431,6 +444,8 @@ def main(argv=None) -> None:
                    "and KV cache")
     p.add_argument("--rounds", type=int, default=3, help="timed runs of each engine, taken "
                    "in turn; each figure is the median")
+    p.add_argument("--quantize", choices=QUANTIZE, default=None,
+                   help="also time ours with weights quantized so (gpt_jax.params.quantize)")
     p = sub.add_parser("live-length")
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])

@@ -1,4 +1,4 @@
-"""The `gpt-jax` command: `gpt-jax {data,train,generate,serve,demo,bench} [flags]`;
+"""The `gpt-jax` command: `gpt-jax {data,train,generate,serve,export,demo,bench} [flags]`;
 `gpt-jax CMD --help`."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ commands:
   train      train a model (python -m training.train)
   generate   generate text from a trained run (python -m inference.cli)
   serve      an OpenAI-compatible HTTP server on the serving engine (inference.server)
+  export     the whole generation program, weights inside, as one jax.export file that
+             a process with only jax runs (inference.export)
   demo       data, train shakespeare-char within a time budget (once), generate (make demo)
   bench      run a benchmark from benchmarks/: gpt-jax bench NAME [flags], NAME one of
              throughput, live-length, roofline, ttft, compiles (speed.py) or
@@ -47,7 +49,7 @@ def demo_main(argv):
                              "predicted from the last max_seq_len (nanoGPT's crop)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
-    from training.train import TrainConfig
+    from training.config import TrainConfig
 
     try:  # bad input stops here, before the previous run is touched
         cfg = TrainConfig(run_dir=str(run_dir), time_budget_s=args.train_seconds)
@@ -135,6 +137,10 @@ def main(argv=None):
         from inference.server import main as serve_main
 
         serve_main(rest)
+    elif command == "export":
+        from inference.export import main as export_main
+
+        export_main(rest)
     elif command == "demo":
         demo_main(rest)
     elif command == "bench":

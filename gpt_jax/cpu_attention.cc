@@ -18,7 +18,7 @@
 // of the softmax denominator (log sum exp of the scores; -1e30 for a row with no slot), so
 // the caller can fold in more keys (online softmax).
 //
-// Built by gpt_jax/cpu_attention.py on first use; see there.
+// Built by gpt_jax/cpu_kernels.py on first use (gpt_jax/cpu_attention.py binds it).
 
 #include <algorithm>
 #include <atomic>
@@ -31,9 +31,11 @@
 #include <mutex>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using namespace gpt_jax_kernels;
 
 namespace {
 
@@ -119,66 +121,6 @@ void attend_one(const float* q_GH, const Pool<T>& keys, const Pool<T>& values, i
       }
     }
   });
-}
-
-// Run fn(0..n-1) on the calling thread and the pool. Items are claimed from a shared
-// counter, so the caller never waits for a task that has not started: it waits only for
-// items other threads have claimed (tasks that start late find nothing left and return).
-struct Work {
-  std::atomic<int64_t> next{0}, finished{0};
-  int64_t total = 0;
-  std::function<void(int64_t)> fn;
-  std::mutex mutex;
-  std::condition_variable all_done;
-
-  void drain() {
-    for (int64_t i; (i = next.fetch_add(1)) < total;) {
-      fn(i);
-      if (finished.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mutex);
-        all_done.notify_all();
-      }
-    }
-  }
-};
-
-void parallel_for(ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
-  auto work = std::make_shared<Work>();
-  work->total = n;
-  work->fn = std::move(fn);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  std::unique_lock<std::mutex> lock(work->mutex);
-  work->all_done.wait(lock, [&] { return work->finished.load() == n; });
-  work->fn = nullptr;  // late tasks keep `work` alive, never the caller's frame
-}
-
-// Eight floats in one vector register (GCC/Clang vector extension; the compiler picks the
-// instructions for -march=native: AVX on x86).
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline f32x8 load8(const uint16_t* p) {  // eight bfloat16, widened exactly
-  u16x8 half;
-  std::memcpy(&half, p, sizeof half);
-  const u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
-  f32x8 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-
-inline float sum8(f32x8 v) {
-  float total = 0.0f;
-  for (int j = 0; j < 8; ++j) total += v[j];
-  return total;
 }
 
 // attend_one for a head dim known at compile time (a multiple of 8), register-blocked: the

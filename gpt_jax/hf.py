@@ -167,6 +167,13 @@ def _to_params(t: dict[str, np.ndarray], config: GPTConfig, dtype) -> Params:
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
 
+def load_hf_config(path: str | os.PathLike) -> GPTConfig:
+    """The GPTConfig of a Hugging Face GPT-2 directory, from its config.json alone (no
+    weights read). Raises FileNotFoundError and ValueError as `load_hf_gpt2` does for the
+    config."""
+    return _read_config(Path(path))
+
+
 def load_hf_gpt2(path: str | os.PathLike, dtype=np.float32) -> tuple[GPTConfig, Params]:
     """Load a Hugging Face GPT-2 directory of any size into `(GPTConfig, params)`.
 

@@ -18,7 +18,9 @@ the decode step (T = 1) over padded batches. `forward` runs whole sequences with
 and a plain masked attention: the training path, and the reference the cached path is
 tested against; `forward_last` is `forward` at the last position only (the crop window's
 next token). Inference runs the weights in `decode_layout` (layers unstacked, block
-matrices `OutputMajor`); every function takes either layout. Definitions go from leaves to root.
+matrices `OutputMajor`), or quantized (`gpt_jax.params.quantize`: every weight matrix and
+embedding table an `Int8Weight`); every function takes any of these layouts. Definitions go
+from leaves to root.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from gpt_jax import cache as kv
-from gpt_jax import cpu_attention
+from gpt_jax import cpu_attention, cpu_int8
 from gpt_jax.config import GPTConfig
 
 # Masked scores get a large finite negative, never -inf: exp() gives 0 and no NaN appears.
@@ -100,17 +102,107 @@ class OutputMajor:
     MANY_ROWS = 64  # a class constant, not a field
 
 
-def linear(x: jax.Array, w_IO: jax.Array | OutputMajor, b_O: jax.Array) -> jax.Array:
+@struct.dataclass
+class Int8Weight:
+    """A weight matrix `w[O, I]` stored as int8 with one float32 scale per output channel:
+    weight-only symmetric absmax quantization, per output channel (the weight half of
+    LLM.int8()'s vector-wise quantization, Dettmers et al. 2022, without its outlier
+    decomposition; per-channel symmetric int8 weights as in Wu et al. 2020, "Integer
+    Quantization for Deep Learning Inference"). `w[o, i] ~ values[o // 8, i, o % 8] *
+    scale[o]`, with `scale[o] = max_i |w[o, i]| / 127`: each weight is off by at most half a
+    step, `|error| <= scale[o] / 2`, and a quarter of the float32 bytes is read per use.
+
+    The values are in panels of eight output channels, `[ceil(O / 8), I, 8]` (channels past
+    O are zero): the eight weights of one input for eight channels are consecutive, which
+    is how the CPU kernel (`gpt_jax.cpu_int8`) reads memory in order. `linear` and the
+    embedding lookups (`embed`) take one; `gpt_jax.params.quantize` makes them.
+    """
+
+    values_PIJ: jax.Array  # int8 [ceil(O / 8), I, 8], output channel o at [o // 8, :, o % 8]
+    scale_O: jax.Array  # float32 [O], the step of channel o
+    PANEL = 8  # output channels per panel (a class constant, not a field)
+
+    @classmethod
+    def quantize(cls, w_OI: jax.Array) -> Int8Weight:
+        """Round `w_OI` `[O, I]` (any float dtype) to the nearest step of its channel's scale.
+        An all-zero channel gets scale 0 and zero values."""
+        w_OI = w_OI.astype(jnp.float32)
+        O, I = w_OI.shape
+        scale_O = jnp.max(jnp.abs(w_OI), axis=1) / 127.0
+        step_O = jnp.where(scale_O > 0, scale_O, 1.0)
+        q_OI = jnp.clip(jnp.round(w_OI / step_O[:, None]), -127, 127).astype(jnp.int8)
+        P = -(-O // cls.PANEL)
+        q_OI = jnp.pad(q_OI, ((0, P * cls.PANEL - O), (0, 0)))
+        return cls(jnp.einsum("PJI->PIJ", q_OI.reshape(P, cls.PANEL, I)), scale_O)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(O, I)`, the shape of the matrix it stands for."""
+        return self.scale_O.shape[0], self.values_PIJ.shape[1]
+
+    def values_OI(self) -> jax.Array:
+        """The int8 values as the matrix `[O, I]` (out of their panels)."""
+        O, I = self.shape
+        return jnp.einsum("PIJ->PJI", self.values_PIJ).reshape(-1, I)[:O]
+
+    def dequantize(self) -> jax.Array:
+        """The float32 matrix `[O, I]` it stands for."""
+        return self.values_OI().astype(jnp.float32) * self.scale_O[:, None]
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Rows `w[ids]` in float32, `[*ids.shape, I]` (an embedding lookup)."""
+        values = self.values_PIJ[ids // self.PANEL, :, ids % self.PANEL]
+        return values.astype(jnp.float32) * self.scale_O[ids][..., None]
+
+
+def int8_matmul(x_MI: jax.Array, w: Int8Weight) -> jax.Array:
+    """`x @ w^T` for an `Int8Weight` `w` `[O, I]`: float32 `[M, I]` -> float32 `[M, O]`, each
+    output `scale[o] * sum_i x[m, i] values[o, i]` (the scale applied after the sum).
+
+    On CPU the C++ kernel (`gpt_jax.cpu_int8`; under vmap one call for the whole batch's
+    rows) reads the int8 bytes directly: XLA:CPU would first write a float32 copy of the
+    whole matrix (a convert fusion feeding its dot), a decode step's whole cost several
+    times over; with many rows (a prefill) the kernel also outran XLA's widen-then-dot, and
+    its float32 dot, at every row count measured (1 to 2,048 rows; benchmarks/README.md).
+    Elsewhere (GPU, TPU, where the kernel cannot be built, or in a program traced within
+    `gpt_jax.cpu_kernels.portable()`) XLA widens the values and runs its dot. The two agree
+    to float rounding (tests/test_quantize.py).
+    """
+    return int8_matmuls(x_MI, [w])[0]
+
+
+def int8_matmuls(x_MI: jax.Array, ws: list[Int8Weight]) -> list[jax.Array]:
+    """`[int8_matmul(x_MI, w) for w in ws]`, on CPU as one kernel call (see `int8_matmul`)."""
+    x_MI = x_MI.astype(jnp.float32)
+
+    def xla(x_MI, *weights):  # the scale after the sum, as the kernel applies it
+        return [(x_MI @ Int8Weight(values_PIJ, scale_O).values_OI().astype(jnp.float32).T)
+                * scale_O[None] for values_PIJ, scale_O in zip(weights[::2], weights[1::2])]
+
+    def kernel(x_MI, *weights):
+        return cpu_int8.int8_matmuls(x_MI, list(zip(weights[::2], weights[1::2])))
+
+    args = (x_MI, *(a for w in ws for a in (w.values_PIJ, w.scale_O)))
+    if cpu_int8.use_kernel():
+        return jax.lax.platform_dependent(*args, cpu=kernel, default=xla)
+    return xla(*args)
+
+
+def linear(x: jax.Array, w_IO: jax.Array | OutputMajor | Int8Weight,
+           b_O: jax.Array) -> jax.Array:
     """`x @ w + b` over the last axis of `x` (`[..., I]` -> `[..., O]`), as one 2-D matmul.
 
     `w_IO` is `[I, O]`, or an `OutputMajor` `[O, I]` (computed as `(w_OI @ x^T)^T`, the
     barrier keeping XLA from folding the transposes back into `x @ w_OI^T`; with
-    `OutputMajor.MANY_ROWS` rows or more, as `x @ w_OI^T`). Its gradient is
-    exactly autodiff's (dx = g w^T, dw = x^T g, db = sum g); only the layout of the backward
-    matmuls is chosen by hand (see `_matmul_fwd`).
+    `OutputMajor.MANY_ROWS` rows or more, as `x @ w_OI^T`), or an `Int8Weight` `[O, I]`
+    (`int8_matmul`; float32 out). Its gradient is exactly autodiff's (dx = g w^T,
+    dw = x^T g, db = sum g); only the layout of the backward matmuls is chosen by hand (see
+    `_matmul_fwd`).
     """
     lead, x_MI = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    if isinstance(w_IO, OutputMajor):
+    if isinstance(w_IO, Int8Weight):
+        out_MO = int8_matmul(x_MI, w_IO)
+    elif isinstance(w_IO, OutputMajor):
         if x_MI.shape[0] >= OutputMajor.MANY_ROWS:
             out_MO = x_MI @ w_IO.w_OI.T
         else:
@@ -119,6 +211,12 @@ def linear(x: jax.Array, w_IO: jax.Array | OutputMajor, b_O: jax.Array) -> jax.A
         out_MO = _matmul(x_MI, w_IO)
     out_MO = out_MO + b_O[None]
     return out_MO.reshape(*lead, out_MO.shape[-1])
+
+
+def embed(table_VD: jax.Array | Int8Weight, ids: jax.Array) -> jax.Array:
+    """Rows `table[ids]` of an embedding table `[V, D]`: `[*ids.shape, D]` (float32 from an
+    `Int8Weight`)."""
+    return table_VD.rows(ids) if isinstance(table_VD, Int8Weight) else table_VD[ids]
 
 
 def mlp(p: Params, x_TD: jax.Array) -> jax.Array:
@@ -230,8 +328,9 @@ def attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table_M, length, boun
     (causal among themselves). Blockwise online softmax: no `[T, S]` score matrix is formed.
     A decode step (T = 1) on CPU reads the pages with a kernel on all cores that touches
     exactly the live slots (`gpt_jax.cpu_attention`; XLA:CPU's own dots run on one thread);
-    elsewhere, for prefill, or where the kernel cannot be built, XLA's blockwise path reads
-    the pages below `bound` (>= length, shared by a vmapped batch).
+    elsewhere, for prefill, where the kernel cannot be built, or inside
+    `cpu_attention.portable()`, XLA's blockwise path reads the pages below `bound` (>= length,
+    shared by a vmapped batch).
     Equal (to float rounding) to `attend` over the whole sequence with the causal mask.
 
     Returns:
@@ -243,7 +342,7 @@ def attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table_M, length, boun
     q_TKGH = q_TNH.reshape(T, K, N // K, H)
     args = (q_TKGH, k_pool, v_pool, page_table_M, length)
     xla = lambda *args: _prefix_state_xla(*args, bound)  # noqa: E731
-    if T == 1 and cpu_attention.available():
+    if T == 1 and cpu_attention.use_kernel():
         state = jax.lax.platform_dependent(*args, cpu=_prefix_state_kernel, default=xla)
     else:
         state = xla(*args)
@@ -289,24 +388,34 @@ def _softmax_output(state) -> jax.Array:
 
 def _project_heads(x_TD, w_DNH, b_NH):
     """x @ w + b as one [..., D] @ [D, N*H] matmul, reshaped to heads `[..., N, H]`. `w_DNH`
-    may be an `OutputMajor` `[N*H, D]` (see `decode_layout`)."""
+    may be an `OutputMajor` or `Int8Weight` `[N*H, D]` (see `decode_layout`)."""
     N, H = b_NH.shape
-    w = w_DNH if isinstance(w_DNH, OutputMajor) else w_DNH.reshape(-1, N * H)
+    w = w_DNH if isinstance(w_DNH, (OutputMajor, Int8Weight)) else w_DNH.reshape(-1, N * H)
     out = linear(x_TD, w, b_NH.reshape(N * H))
     return out.reshape(*x_TD.shape[:-1], N, H)
 
 
 def _merge_heads(p: Params, out_TNH: jax.Array) -> jax.Array:
     """The output projection: `[..., N, H]` -> `[..., D]` as one [N*H, D] matmul (so XLA never
-    transposes w_o to match the output). `w_o` may be an `OutputMajor` `[D, N*H]`."""
+    transposes w_o to match the output). `w_o` may be an `OutputMajor` or `Int8Weight`
+    `[D, N*H]`."""
     N, H = out_TNH.shape[-2:]
-    w = p["w_o"] if isinstance(p["w_o"], OutputMajor) else p["w_o"].reshape(N * H, -1)
+    w = p["w_o"] if isinstance(p["w_o"], (OutputMajor, Int8Weight)) else \
+        p["w_o"].reshape(N * H, -1)
     return linear(out_TNH.reshape(*out_TNH.shape[:-2], N * H), w, p["b_o"])
 
 
 def _new_qkv(p: Params, x_TD: jax.Array, cache_dtype):
     """Queries `[T, N, H]`, and keys and values `[T, K, H]` in the cache's dtype, of T new
-    tokens: three matmuls, with no per-call weight concatenation (see `_project_qkv`)."""
+    tokens: three matmuls, with no per-call weight concatenation (see `_project_qkv`); int8
+    weights in one kernel call (`int8_matmuls`)."""
+    if isinstance(p["w_q"], Int8Weight):
+        x_MI = x_TD.reshape(-1, x_TD.shape[-1])
+        outs = int8_matmuls(x_MI, [p["w_q"], p["w_k"], p["w_v"]])
+        q_TNH, k_TKH, v_TKH = (
+            (out_MO + p[b].reshape(-1)[None]).reshape(*x_TD.shape[:-1], *p[b].shape)
+            for out_MO, b in zip(outs, ("b_q", "b_k", "b_v")))
+        return q_TNH, k_TKH.astype(cache_dtype), v_TKH.astype(cache_dtype)
     q_TNH = _project_heads(x_TD, p["w_q"], p["b_q"])
     k_TKH = _project_heads(x_TD, p["w_k"], p["b_k"]).astype(cache_dtype)
     v_TKH = _project_heads(x_TD, p["w_v"], p["b_v"]).astype(cache_dtype)
@@ -353,7 +462,7 @@ def transformer(params: Params, tokens_T: jax.Array, cache: kv.PagedKVCache, con
     """
     start = cache.lengths
     positions_T = start + jnp.arange(tokens_T.shape[0])
-    x_TD = params["wte"][tokens_T] + params["wpe"][positions_T]
+    x_TD = embed(params["wte"], tokens_T) + embed(params["wpe"], positions_T)
     bound = start if bound is None else bound
     blocks = params["blocks"]
     if not isinstance(blocks, tuple):  # stacked on L: one weight slice per layer, unrolled
@@ -388,7 +497,7 @@ def decode_layout(params: Params) -> Params:
     w_in `[F, D]`, w_out `[D, F]`). Already in this layout, params come back unchanged.
     A copy of every block weight: call it once, outside any decode loop."""
     if isinstance(params["blocks"], tuple) and isinstance(
-            params["blocks"][0]["mlp"]["w_in"], OutputMajor):
+            params["blocks"][0]["mlp"]["w_in"], (OutputMajor, Int8Weight)):
         return params
 
     def layer(p):
@@ -404,12 +513,16 @@ def decode_layout(params: Params) -> Params:
 
 
 def lm_head(params: Params, x_TD: jax.Array, config: GPTConfig) -> jax.Array:
-    """Final LayerNorm and the tied output projection. Returns float32 logits `[..., V]`."""
+    """Final LayerNorm and the tied output projection (`wte` `[V, D]`, or its `Int8Weight`).
+    Returns float32 logits `[..., V]`."""
     h = layer_norm(params["ln_f"], x_TD, config.layer_norm_eps)
+    wte = params["wte"]
+    if isinstance(wte, Int8Weight):
+        return int8_matmul(h.reshape(-1, h.shape[-1]), wte).reshape(*h.shape[:-1], -1)
     if h.ndim == 1:  # one position (vmapped over rows): `wte` is already [O, I] = [V, D]
-        logits_V1 = jnp.matmul(params["wte"], h[:, None], preferred_element_type=jnp.float32)
+        logits_V1 = jnp.matmul(wte, h[:, None], preferred_element_type=jnp.float32)
         return jax.lax.optimization_barrier(logits_V1)[:, 0]
-    return jnp.einsum("...D,VD->...V", h, params["wte"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...D,VD->...V", h, wte, preferred_element_type=jnp.float32)
 
 
 def _project_qkv(p: Params, x_TD: jax.Array):
@@ -419,6 +532,8 @@ def _project_qkv(p: Params, x_TD: jax.Array):
     ~3% faster). The concatenation copies the three weights per call: the training path's
     choice, where the matmul rows (B * T) dwarf them."""
     names = ("w_q", "w_k", "w_v")
+    if isinstance(p["w_q"], Int8Weight):  # three int8 products (panels pad each O to 8)
+        return tuple(_project_heads(x_TD, p[n], p["b" + n[1:]]) for n in names)
     if isinstance(p["w_q"], OutputMajor):
         w = OutputMajor(jnp.concatenate([p[n].w_OI for n in names], axis=0))
     else:
@@ -450,7 +565,9 @@ def _blocks_full(params: Params, tokens_BT: jax.Array, config: GPTConfig, n_bloc
             f"sequence length {T} exceeds config.max_seq_len={config.max_seq_len}"
         )
     eps = config.layer_norm_eps
-    x_BTD = params["wte"][tokens_BT] + params["wpe"][:T][None]
+    wpe = params["wpe"]
+    positions_TD = wpe.rows(jnp.arange(T)) if isinstance(wpe, Int8Weight) else wpe[:T]
+    x_BTD = embed(params["wte"], tokens_BT) + positions_TD[None]
 
     def block_full(x_BTD, p):
         x_BTD = x_BTD + causal_self_attention(p["attn"], layer_norm(p["ln1"], x_BTD, eps))

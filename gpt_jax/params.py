@@ -1,24 +1,33 @@
-"""Parameter initialisation and counting.
+"""Parameter initialisation, counting, shape checks and the inference layouts.
 
 Parameters are a nested dict of arrays; the per-layer weights under "blocks" are stacked
-along a leading L axis so the layers run as one `lax.scan`.
+along a leading L axis so the layers run as one `lax.scan`. Inference runs them in
+`gpt_jax.model.decode_layout`, or quantized to int8 (`quantize`); `inference_params` makes
+either once, for `inference.LLM` and `inference.Engine`.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params, decode_layout
+from gpt_jax.model import Int8Weight, OutputMajor, Params, decode_layout
+
+QUANTIZE = ("int8",)  # the weight quantizations `quantize` offers (None: none)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "dtype"))
 def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     """Random GPT-2 initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm scales,
     and the two residual projections scaled by 1/sqrt(2 * n_layers) (GPT-2 paper, sec. 2.3).
+
+    One jitted program, one normal draw cut into the weights: a draw per weight shape
+    compiled a threefry kernel per shape, seconds of a short training run's start.
 
     Returns a params pytree of `dtype` arrays with shapes
       wte [V, D], wpe [max_seq_len, D], ln_f {scale, bias} [D], and under "blocks" (each with a
@@ -31,10 +40,15 @@ def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> Params:
         config.d_ff,
     )
     std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)
-    keys = iter(jax.random.split(key, 8))
-
-    def normal(shape, scale=std):
-        return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+    shapes = {"wte": (config.vocab_size, D), "wpe": (config.max_seq_len, D),
+              "w_q": (L, D, N, H), "w_k": (L, D, K, H), "w_v": (L, D, K, H),
+              "w_o": (L, N, H, D), "w_in": (L, D, F), "w_out": (L, F, D)}
+    scales = {"wpe": 0.01, "w_o": resid_std, "w_out": resid_std}  # the rest: std
+    sizes = [math.prod(shape) for shape in shapes.values()]
+    draw = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    w = {name: (scales.get(name, std) * part.reshape(shape)).astype(dtype)
+         for (name, shape), part in zip(shapes.items(),
+                                        jnp.split(draw, list(itertools.accumulate(sizes[:-1]))))}
 
     def zeros(*shape):
         return jnp.zeros(shape, dtype)
@@ -43,20 +57,20 @@ def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> Params:
         return {"scale": jnp.ones((*lead, D), dtype), "bias": zeros(*lead, D)}
 
     return {
-        "wte": normal((config.vocab_size, D)),
-        "wpe": normal((config.max_seq_len, D), 0.01),
+        "wte": w["wte"],
+        "wpe": w["wpe"],
         "blocks": {
             "ln1": norm(L),
             "attn": {
-                "w_q": normal((L, D, N, H)), "b_q": zeros(L, N, H),
-                "w_k": normal((L, D, K, H)), "b_k": zeros(L, K, H),
-                "w_v": normal((L, D, K, H)), "b_v": zeros(L, K, H),
-                "w_o": normal((L, N, H, D), resid_std), "b_o": zeros(L, D),
+                "w_q": w["w_q"], "b_q": zeros(L, N, H),
+                "w_k": w["w_k"], "b_k": zeros(L, K, H),
+                "w_v": w["w_v"], "b_v": zeros(L, K, H),
+                "w_o": w["w_o"], "b_o": zeros(L, D),
             },
             "ln2": norm(L),
             "mlp": {
-                "w_in": normal((L, D, F)), "b_in": zeros(L, F),
-                "w_out": normal((L, F, D), resid_std), "b_out": zeros(L, D),
+                "w_in": w["w_in"], "b_in": zeros(L, F),
+                "w_out": w["w_out"], "b_out": zeros(L, D),
             },
         },
         "ln_f": norm(),
@@ -68,22 +82,132 @@ def param_count(params: Params) -> int:
     return sum(x.size for x in jax.tree_util.tree_leaves(params))
 
 
+def quantize(params: Params, method: str | None) -> Params:
+    """`params` (either layout) with every weight matrix quantized, for inference.
+
+    "int8": weight-only int8 with one float32 scale per output channel (symmetric absmax;
+    `gpt_jax.model.Int8Weight`, which cites the scheme): the block matrices, the token
+    embedding (which is also the tied output projection, a scale per vocabulary row) and the
+    position embedding; LayerNorm scales and biases and every bias stay float32, and the
+    model computes in float32 (activations, KV cache, logits as before). Quantized params
+    come back in `decode_layout`; already quantized ones come back unchanged; None returns
+    `params` as they are.
+
+    Raises:
+      ValueError: `method` is not None or one of `QUANTIZE` (the message names it and them).
+    """
+    check_quantize(method)
+    if method is None or is_quantized(params):
+        return params
+    return _quantize_int8(params)
+
+
+@jax.jit
+def _quantize_int8(params: Params) -> Params:
+    params = decode_layout(jax.tree.map(lambda a: a.astype(jnp.float32), params))
+
+    def int8(w):
+        return Int8Weight.quantize(w.w_OI) if isinstance(w, OutputMajor) else w
+
+    blocks = jax.tree.map(int8, params["blocks"], is_leaf=lambda w: isinstance(w, OutputMajor))
+    return {**params, "blocks": blocks, "wte": Int8Weight.quantize(params["wte"]),
+            "wpe": Int8Weight.quantize(params["wpe"])}
+
+
+def quantization_error(params: Params, quantized: Params) -> float:
+    """The relative logit error that quantizing `params` into `quantized` is expected to stay
+    under: `eps = sqrt(sum over uses of r_m^2)`, with `r_m = |W_m - Q_m|_F / |W_m|_F` the
+    exact relative (Frobenius) rounding error of each quantized matrix, the tied token
+    embedding counted twice (it is the input embedding and the output projection).
+
+    Derivation (first order): a product `x @ Q^T` is off by `x @ (Q - W)^T`; the rounding
+    errors are uncorrelated with `x` and with each other, so its error is about `r_m` of
+    its output, relatively. Each product's output is a part of the residual stream (or the
+    logits), so its error adds at most `r_m` of the stream's size, and independent errors
+    add in quadrature; LayerNorm rescales the stream and its error alike. Hence, over many
+    positions, the rms of `logits_int8 - logits_f32` is at most about `eps` times the rms of
+    the float32 logits (each position's mean removed: a shift changes no probability), and
+    the mean loss moves by at most about `sqrt(2) * eps` times that rms (the target's logit
+    and the log-sum-exp each move by about the error's rms). It bounds the rms, not every
+    position: a few positions exceed `eps` (README "int8 weights" gives the measurements).
+    Per-channel absmax steps give `r_m` of about 0.6-1.2% here.
+    """
+    return math.sqrt(float(_squared_relative_errors(params, quantized)))
+
+
+@jax.jit
+def _squared_relative_errors(params: Params, quantized: Params) -> jax.Array:
+    """The sum of `quantization_error`'s `r_m^2`, the token embedding's twice."""
+    quantized_leaves = jax.tree.leaves(quantized, is_leaf=lambda w: isinstance(w, Int8Weight))
+    original_leaves = jax.tree.leaves(decode_layout(params),
+                                      is_leaf=lambda w: isinstance(w, OutputMajor))
+    total = jnp.zeros((), jnp.float32)
+    for w, q in zip(original_leaves, quantized_leaves, strict=True):
+        if isinstance(q, Int8Weight):
+            w = (w.w_OI if isinstance(w, OutputMajor) else w).astype(jnp.float32)
+            r2 = jnp.sum(jnp.square(q.dequantize() - w)) / jnp.sum(jnp.square(w))
+            total += 2 * r2 if q is quantized["wte"] else r2
+    return total
+
+
+def check_quantize(method) -> None:
+    """Raise ValueError unless `method` is None or one of `QUANTIZE`, naming both."""
+    if method is not None and method not in QUANTIZE:
+        raise ValueError(f"quantize must be None or one of {', '.join(map(repr, QUANTIZE))}, "
+                         f"got {method!r}")
+
+
+def is_quantized(params: Params) -> bool:
+    """Whether `params` hold int8 weights (made by `quantize`)."""
+    return isinstance(params.get("wte"), Int8Weight)
+
+
+def inference_params(params: Params, config: GPTConfig, dtype="float32",
+                     quantize_method: str | None = None) -> Params:
+    """`params` as `inference.LLM` and `inference.Engine` run them, made once: checked
+    against `config`, cast to `dtype` (the float dtype of the weights and KV cache), in
+    `decode_layout`, and quantized by `quantize_method` (see `quantize`). Quantized, the
+    float params stay float32 whatever `dtype` (then only the KV cache's dtype). Params
+    already quantized stay so (as if `quantize_method` were "int8").
+
+    Raises:
+      ValueError: an unknown `quantize_method` (see `check_quantize`), or params whose
+        shapes do not match `config` (`check_params`).
+    """
+    check_quantize(quantize_method)
+    check_params(params, config)
+    if is_quantized(params):
+        return params
+    return _inference_params(params, jnp.dtype(dtype), quantize_method)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "quantize_method"))
+def _inference_params(params: Params, dtype, quantize_method) -> Params:
+    if quantize_method is not None:
+        return quantize(params, quantize_method)
+    return decode_layout(jax.tree.map(lambda a: a.astype(dtype), params))
+
+
 @functools.lru_cache(maxsize=32)
-def _expected_shapes(config: GPTConfig, laid_out: bool):
+def _expected_shapes(config: GPTConfig, layout: str):
     shapes = jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0))
-    return jax.eval_shape(decode_layout, shapes) if laid_out else shapes
+    if layout == "int8":
+        return jax.eval_shape(lambda p: quantize(p, "int8"), shapes)
+    return jax.eval_shape(decode_layout, shapes) if layout == "decode" else shapes
 
 
 def check_params(params: Params, config: GPTConfig) -> None:
-    """Check that `params` (stacked, or in `decode_layout`) have the shapes `config` implies.
+    """Check that `params` (stacked, in `decode_layout` or quantized) have the shapes `config`
+    implies.
 
     Raises:
       ValueError: naming the first parameter whose path or shape differs, with the shape the
         config expects (for example a d_model, vocab_size or n_heads that does not match the
         weights), before anything is traced with them.
     """
-    laid_out = isinstance(params.get("blocks"), tuple)
-    expected = jax.tree_util.tree_flatten_with_path(_expected_shapes(config, laid_out))[0]
+    layout = "int8" if is_quantized(params) else \
+        "decode" if isinstance(params.get("blocks"), tuple) else "stacked"
+    expected = jax.tree_util.tree_flatten_with_path(_expected_shapes(config, layout))[0]
     actual = jax.tree_util.tree_flatten_with_path(params)[0]
     got = {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in actual}
     for path, leaf in expected:

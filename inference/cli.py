@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax import checkpoint
+from gpt_jax.config import GPTConfig
 from gpt_jax.cache import cache_bytes, pages_for
+from gpt_jax.params import QUANTIZE
 from inference.engine import generate, init_cache_rows, pack, prefill, validate
 from inference.llm import DTYPES, LLM
 from inference.sampling import CONTEXT_OVERFLOW, SamplingParams
@@ -185,10 +187,15 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--run-dir, --hf-checkpoint and --dtype: where the model comes from (`load_model`)."""
+    """--run-dir, --hf-checkpoint, --dtype and --quantize: where the model comes from
+    (`load_model`) and how it runs."""
     p.add_argument("--run-dir", default="runs/shakespeare-char", help="training run directory")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="weights and KV cache dtype (bfloat16 halves the bytes read per step)")
+    p.add_argument("--quantize", choices=QUANTIZE, default=None,
+                   help="int8: weight-only int8, a float32 scale per output channel, "
+                        "quantized at load (a quarter of float32's weight bytes per step; "
+                        "activations float32; --dtype is then the KV cache's)")
     p.add_argument("--hf-checkpoint", metavar="DIR",
                    help="a Hugging Face GPT-2 directory (config.json + model.safetensors) "
                         "instead of --run-dir; text goes through its tokenizer "
@@ -213,6 +220,16 @@ def load_model(args):
             load_hf_eos_token_id(args.hf_checkpoint))
 
 
+def load_config(args) -> GPTConfig:
+    """The GPTConfig of `load_model`'s model, without reading the weights (to check flags
+    against it first). Raises FileNotFoundError, ValueError naming the directory."""
+    if not args.hf_checkpoint:
+        return checkpoint.load_config(args.run_dir)
+    from gpt_jax.hf import load_hf_config
+
+    return load_hf_config(args.hf_checkpoint)
+
+
 def load_llm(args) -> LLM:
     """The model of `load_model` as an LLM.
 
@@ -223,12 +240,12 @@ def load_llm(args) -> LLM:
     if args.prompt and args.prompt_ids:
         raise SystemExit("gpt-jax generate: give --prompt or --prompt-ids, not both")
     if not args.hf_checkpoint:
-        return LLM.from_checkpoint(args.run_dir, dtype=args.dtype)
+        return LLM.from_checkpoint(args.run_dir, dtype=args.dtype, quantize=args.quantize)
     params, config, tokenizer, _ = load_model(args)
     if tokenizer is None and not args.prompt_ids:
         raise SystemExit(f"gpt-jax generate: {args.hf_checkpoint} has no tokenizer "
                          f"(tokenizer.json, or vocab.json + merges.txt); pass --prompt-ids")
-    return LLM(params, config, tokenizer, args.dtype)
+    return LLM(params, config, tokenizer, args.dtype, args.quantize)
 
 
 def print_token_ids(llm: LLM, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> None:

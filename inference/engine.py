@@ -55,7 +55,7 @@ from gpt_jax import cache as kv
 from gpt_jax.cache import CACHE_ROW_AXES, PagedKVCache
 from gpt_jax.config import GPTConfig
 from gpt_jax.model import Params, decode_layout, forward_last, lm_head, transformer
-from gpt_jax.params import check_params
+from gpt_jax.params import check_params, inference_params
 from inference import stopping
 from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, prompt_hash, sample
 from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
@@ -427,15 +427,19 @@ _STATIC = ("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype",
            "forked")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def generate_program(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity,
-                     n_steps, n_top, model_fns, cache_dtype, pad_id, forked):
-    """Prefill and the whole decode loop, as one compiled program."""
+def generation(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity,
+               n_steps, n_top, model_fns, cache_dtype, pad_id, forked) -> DecodeState:
+    """Prefill and the whole decode loop, traceable: `generate_program` jits it and
+    `inference.export` exports it. Returns the final DecodeState."""
     state = _start(params, config, tokens_PT, lengths_P, source_B, rows, stops, capacity=capacity,
                    n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype,
                    forked=forked, pad_id=pad_id)
     _, step_fn = model_fns(params, config, capacity, cache_dtype)
     return decode_loop(state, step_fn, rows, stops, pad_id)
+
+
+# Prefill and the whole decode loop, as one compiled program.
+generate_program = jax.jit(generation, static_argnames=_STATIC)
 
 
 def compile_counts() -> dict[str, int]:
@@ -647,6 +651,8 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
     """Generate from a batch of token-id prompts with a KV cache, in one compiled program.
 
     Args:
+      params: weights in either layout (stacked, `gpt_jax.model.decode_layout`), or int8
+        (`gpt_jax.params.quantize(params, "int8")`).
       prompts: list of token-id lists, any lengths.
       sampling: one SamplingParams for all prompts, or one per prompt (default greedy-free
         SamplingParams()). A request with n > 1 gives n consecutive Completions.
@@ -833,7 +839,11 @@ class Engine:
       num_pages, kv_cache_bytes: the page pool's size, in pages or in bytes
         (`gpt_jax.cache.cache_bytes`); default: every slot can hold max_seq_len tokens.
       page_size: token slots per page.
-      cache_dtype: "float32" or "bfloat16" (weights are cast to it too, as in `LLM`).
+      cache_dtype: "float32" or "bfloat16" (weights are cast to it too, as in `LLM`, unless
+        quantized).
+      quantize: None, or "int8": weights quantized once, here, to int8 with a float32 scale
+        per output channel (`gpt_jax.params.quantize`; LayerNorm, biases, activations and
+        logits float32). Params already quantized are run as they are.
       prefix_caching: share full prompt pages between requests (automatic prefix caching).
       max_prefill_tokens: most prompt tokens prefilled per step (the chunk budget). A
         prefill step stalls the running requests once; 128 keeps that stall below one
@@ -842,14 +852,15 @@ class Engine:
     Raises:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
-        tokenizer without encode/decode, another cache dtype, or params that do not match
-        `config`. (A pool too small for some request is found per request, by add_request.)
+        tokenizer without encode/decode, another cache dtype, a quantize other than None or
+        `gpt_jax.params.QUANTIZE`, or params that do not match `config`. (A pool too small
+        for some request is found per request, by add_request.)
     """
 
     def __init__(self, params, config: GPTConfig, tokenizer=None, *, max_slots: int = 16,
                  num_pages: int | None = None, kv_cache_bytes: int | None = None,
                  page_size: int = PAGE_SIZE, cache_dtype="float32", prefix_caching: bool = True,
-                 max_prefill_tokens: int = 128):
+                 max_prefill_tokens: int = 128, quantize: str | None = None):
         sizes = dict(max_slots=max_slots, page_size=page_size,
                      max_prefill_tokens=max_prefill_tokens, num_pages=num_pages,
                      kv_cache_bytes=kv_cache_bytes)
@@ -878,8 +889,7 @@ class Engine:
                 raise ValueError(f"Engine kv_cache_bytes={kv_cache_bytes} holds no page; one "
                                  f"page of {page_size} tokens takes {page_bytes} bytes")
         num_pages = max_slots * max_pages if num_pages is None else int(num_pages)
-        check_params(params, config)
-        self.params = jax.jit(decode_layout)(jax.tree.map(lambda a: a.astype(dtype), params))
+        self.params = inference_params(params, config, dtype, quantize)
         self.config, self.tokenizer, self.cache_dtype = config, tokenizer, dtype
         self.max_slots, self.num_pages, self.page_size = max_slots, num_pages, page_size
         self.scheduler = Scheduler(max_slots=max_slots, num_pages=num_pages,

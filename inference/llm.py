@@ -25,12 +25,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-import jax
 import jax.numpy as jnp
 
 from gpt_jax import checkpoint
-from gpt_jax.model import decode_layout
-from gpt_jax.params import check_params
+from gpt_jax.params import inference_params
 from inference import engine
 
 
@@ -75,13 +73,22 @@ class LLM:
 
     `dtype="bfloat16"` (or `jnp.bfloat16`) stores the weights and the KV cache in bfloat16
     (half the bytes a memory-bound decode step reads); LayerNorm, softmax, attention
-    accumulators and logits stay float32 inside the model. Raises ValueError for any other
-    dtype than `DTYPES`, or for params whose shapes do not match `config`
-    (`gpt_jax.params.check_params`).
-    `params` are kept in the decode layout (`gpt_jax.model.decode_layout`), made once here.
+    accumulators and logits stay float32 inside the model.
+    `quantize="int8"` quantizes the weights once, here: weight-only int8 with a float32
+    scale per output channel (`gpt_jax.params.quantize`; embeddings and the tied output
+    projection included, LayerNorm and biases float32), a quarter of float32's weight bytes
+    per decode step; activations and logits stay float32, and `dtype` is then the KV
+    cache's alone.
+    `params` are kept in the decode layout (`gpt_jax.model.decode_layout`) or quantized,
+    made once here (`gpt_jax.params.inference_params`).
+
+    Raises:
+      ValueError: a dtype other than `DTYPES`, a quantize other than None or
+        `gpt_jax.params.QUANTIZE`, or params whose shapes do not match `config`
+        (`gpt_jax.params.check_params`).
     """
 
-    def __init__(self, params, config, tokenizer, dtype="float32"):
+    def __init__(self, params, config, tokenizer, dtype="float32", quantize: str | None = None):
         try:
             name = jnp.dtype(dtype).name  # "bfloat16" and jnp.bfloat16 alike
         except TypeError:
@@ -89,10 +96,10 @@ class LLM:
         if name not in DTYPES:
             raise ValueError(f"LLM dtype must be one of {DTYPES}, got {dtype!r}")
         self.cache_dtype = jnp.dtype(name)
-        check_params(params, config)
-        # The decode layout once, here: inside each compiled call it would copy every weight.
-        self.params = jax.jit(decode_layout)(
-            jax.tree.map(lambda a: a.astype(self.cache_dtype), params))
+        # The decode layout (and quantization) once, here: inside each compiled call it
+        # would copy every weight.
+        self.params = inference_params(params, config, self.cache_dtype, quantize)
+        self.quantize = quantize
         self.config, self.tokenizer = config, tokenizer
         self._engines: dict[int, engine.Engine] = {}  # by max_slots
 
@@ -101,14 +108,16 @@ class LLM:
         if max_slots not in self._engines:
             self._engines[max_slots] = engine.Engine(
                 self.params, self.config, self.tokenizer, max_slots=max_slots,
-                cache_dtype=self.cache_dtype)
+                cache_dtype=self.cache_dtype, quantize=self.quantize)
         return self._engines[max_slots]
 
     @classmethod
-    def from_checkpoint(cls, run_dir, step: int | None = None, dtype="float32") -> LLM:
-        """Load the latest (or given) checkpoint of a training run directory."""
+    def from_checkpoint(cls, run_dir, step: int | None = None, dtype="float32",
+                        quantize: str | None = None) -> LLM:
+        """Load the latest (or given) checkpoint of a training run directory (see `LLM` for
+        `dtype` and `quantize`)."""
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
-        return cls(params, config, tokenizer, dtype)
+        return cls(params, config, tokenizer, dtype, quantize)
 
     def _encode(self, prompts) -> list[list[int]]:
         """Token ids of each text prompt. Raises TypeError for a bare string (which would

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
 import numbers
 
@@ -237,6 +236,15 @@ class SamplingArrays:
         )
 
 
+    @classmethod
+    def of_defaults(cls, batch: int, vocab_size: int):
+        """`batch` rows of `SamplingParams()`'s defaults, seed, prompt hash and sample index
+        0. An exported program builds its rows from these (made outside its trace) with
+        `.replace` of the fields it takes as inputs."""
+        zeros = [0] * batch
+        return cls.from_params([SamplingParams()] * batch, zeros, zeros, zeros, vocab_size)
+
+
 @functools.lru_cache(maxsize=16)
 def _zero_bias(batch: int, vocab_size: int) -> jax.Array:
     return jnp.zeros((batch, vocab_size), jnp.float32)  # immutable: safe to share
@@ -334,11 +342,47 @@ def filter_logits(logits_BV, top_k_B, top_p_B, min_p_B):
     return jnp.where(keep_BV, logits_BV, -jnp.inf)
 
 
+# Constants of the prompt hash: murmur3's fmix32 multipliers, and the golden-ratio step
+# (2**32 / phi) that spreads consecutive positions over the 32-bit range.
+_FMIX_1, _FMIX_2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
+_GOLDEN = np.uint32(0x9E3779B9)
+
+
+def fmix32(h):
+    """murmur3's 32-bit finalizer on a uint32 array (numpy or jax.numpy, wrapping
+    arithmetic): a bijection in which every input bit flips about half the output bits."""
+    h = h ^ (h >> 16)
+    h = h * _FMIX_1
+    h = h ^ (h >> 13)
+    h = h * _FMIX_2
+    return h ^ (h >> 16)
+
+
+def prompt_hashes(tokens_BT, lengths_B, xp=np):
+    """uint32 `[B]`: a 32-bit hash of each row's first `lengths_B[b]` tokens (right-padded
+    prompts; whatever lies past a row's length is ignored), computed with `xp` = numpy on
+    the host or jax.numpy inside a program, bit for bit the same.
+
+    For the token t at position i: `fmix32(uint32(t) ^ fmix32(i * GOLDEN + 1))`, a
+    bijection of the token keyed by its position, so equal tokens at different places
+    differ; the real positions' values are summed (wrapping; padding adds 0), the length
+    xor'ed in and the sum finalized with `fmix32`, as murmur3 finishes.
+    """
+    T = tokens_BT.shape[1]
+    position_1T = xp.arange(T, dtype=xp.uint32)[None, :]
+    real_BT = position_1T < xp.asarray(lengths_B).astype(xp.uint32)[:, None]
+    keyed_BT = fmix32(xp.asarray(tokens_BT).astype(xp.uint32) ^ fmix32(position_1T * _GOLDEN
+                                                                         + np.uint32(1)))
+    total_B = xp.where(real_BT, keyed_BT, np.uint32(0)).sum(axis=1, dtype=xp.uint32)
+    return fmix32(total_B ^ xp.asarray(lengths_B).astype(xp.uint32))
+
+
 def prompt_hash(tokens) -> int:
-    """A 32-bit hash of a prompt's token ids (BLAKE2b), mixed into its rows' keys so one
-    seed given to different prompts does not give them the same noise."""
-    digest = hashlib.blake2b(np.asarray(tokens, np.int64).tobytes(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
+    """`prompt_hashes` of one prompt (token ids), mixed into its rows' keys so one seed
+    given to different prompts does not give them the same noise. An exported program
+    (`inference.export`) computes the same hash in its graph from the padded prompt."""
+    tokens_1T = np.asarray(tokens, np.int64).reshape(1, -1)
+    return int(prompt_hashes(tokens_1T, np.array([tokens_1T.shape[1]]))[0])
 
 
 def row_keys(seed_B, prompt_hash_B, sample_index_B, step_B):

@@ -207,7 +207,7 @@ def test_every_sampling_field_is_a_flag():
 
 
 def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
     other = PIECES.decode([17, 3])
     argv = ["--prompt", PROMPT, "--prompt", other, "--temperature", "0.9", "--seed", "3",
             "--max-new-tokens", "10", "--n", "2"]
@@ -228,7 +228,7 @@ def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
 
 def test_default_max_new_tokens_fits_the_models_context_under_error(llm, config, monkeypatch,
                                                                     capsys):
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
     error = ["--context-overflow", "error"]
     cli.main(["--prompt", PROMPT, "--temperature", "0", "--json"] + error)  # 200 > 128 left
     (row,) = json.loads(capsys.readouterr().out)
@@ -260,7 +260,8 @@ def test_llm_crops_unless_a_request_says_otherwise(llm, monkeypatch):
 
 
 def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: pytest.fail("loaded"))
+    monkeypatch.setattr(cli.LLM, "from_checkpoint",
+                        lambda run_dir, dtype, quantize: pytest.fail("loaded"))
     with pytest.raises(SystemExit, match=r"SamplingParams.top_p=1.5 is out of range; allowed: \[0, 1\]"):
         cli.main(["--top-p", "1.5"])
     with pytest.raises(SystemExit):
@@ -274,7 +275,8 @@ def test_an_eos_ending_keeps_the_eos_token_but_not_its_text(config, params, monk
     tokens before it, through generate, stream and the CLI."""
     chars = CharTokenizer(list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 \n"))
     llm = LLM(params, config, chars)
-    prompt = next(p for p in ("Romeo", "Juliet", "Tybalt", "Mercutio 1")
+    prompt = next(p for p in ("Romeo", "Juliet", "Tybalt", "Mercutio 1", "Benvolio", "Capulet",
+                              "Montague", "Paris", "Nurse", "Friar Laurence")
                   if len(set(llm.generate([p], SamplingParams(temperature=0.0, max_new_tokens=5),
                                           progress=False)[0].tokens)) == 5)
     greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=5),
@@ -287,7 +289,7 @@ def test_an_eos_ending_keeps_the_eos_token_but_not_its_text(config, params, monk
     assert "".join(d.text for d in deltas) == out.text
     assert dataclasses.replace(deltas[-1].completion, seed=out.seed) == out  # unseeded: new seed
 
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
     cli.main(["--prompt", prompt, "--temperature", "0", "--max-new-tokens", "20",
               "--stop-token-id", str(greedy[4]), "--json"])
     (row,) = json.loads(capsys.readouterr().out)
@@ -295,7 +297,7 @@ def test_an_eos_ending_keeps_the_eos_token_but_not_its_text(config, params, monk
 
 
 def test_json_with_report_keeps_stdout_one_json_document(llm, monkeypatch, capsys):
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
     cli.main(["--prompt", PROMPT, "--max-new-tokens", "4", "--json", "--report"])
     out, err = capsys.readouterr()
     assert len(json.loads(out)) == 1 and "KV cache:" in err and "decode:" in err
@@ -306,7 +308,7 @@ def test_bad_logit_bias_and_min_tokens_flags_are_named(llm, monkeypatch, capsys)
         with pytest.raises(SystemExit):
             cli.parse_args(["--logit-bias", text])
         assert f"expected ID=BIAS such as 50256=-100, got {text!r}" in capsys.readouterr().err
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
     with pytest.raises(SystemExit, match=r"logit_bias id 64 is outside \[0, 64\)"):
         cli.main(["--prompt", PROMPT, "--logit-bias", "64=1"])
     with pytest.raises(SystemExit, match=r"min_tokens=30 is more than max_new_tokens=20"):

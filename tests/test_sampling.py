@@ -15,7 +15,7 @@ from gpt_jax import forward
 from inference import engine, generate
 from inference.sampling import (
     SamplingArrays, SamplingParams, apply_penalties, apply_temperature, filter_logits,
-    min_p_keep, sample, top_p_keep,
+    min_p_keep, prompt_hash, prompt_hashes, sample, top_p_keep,
 )
 
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -434,6 +434,23 @@ def test_one_seed_on_different_prompts_draws_independent_noise(config, params):
     assert tokens == outs[1]
 
 
+def test_prompt_hash_is_the_same_on_the_host_and_in_a_program():
+    """An exported program hashes its padded prompts in-graph; `generate` hashes each prompt
+    on the host: bit for bit the same value, whatever the padding holds."""
+    rng = np.random.default_rng(0)
+    tokens_BT = rng.integers(0, 50257, (64, 40)).astype(np.int32)
+    lengths_B = rng.integers(1, 41, 64).astype(np.int32)
+    host = np.array([prompt_hash(t[:n].tolist()) for t, n in zip(tokens_BT, lengths_B)],
+                    np.uint32)
+    assert np.array_equal(prompt_hashes(tokens_BT, lengths_B), host)
+    padded_BT = np.where(np.arange(40)[None, :] < lengths_B[:, None], tokens_BT, -7)
+    in_graph = jax.jit(lambda t, n: prompt_hashes(t, n, jnp))(padded_BT, lengths_B)
+    assert in_graph.dtype == jnp.uint32 and np.array_equal(np.asarray(in_graph), host)
+    # order, position, value and length all count
+    variants = [[1, 2, 3], [3, 2, 1], [1, 2, 4], [1, 2, 3, 0], [0, 1, 2, 3], [1, 2], [2, 1]]
+    assert len({prompt_hash(v) for v in variants}) == len(variants)
+
+
 def test_seeded_request_is_the_same_alone_first_last_and_beside_unseeded(config, params):
     seeded = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.02,
                             repetition_penalty=1.2, frequency_penalty=0.3, max_new_tokens=24,
@@ -593,7 +610,7 @@ def test_changing_logit_bias_and_min_tokens_values_compiles_nothing(config, para
     engine_outputs(params, config, prompts, sampling, max_slots=1)
     before = engine.compile_counts()
     outputs = []
-    for bias, min_tokens in [({}, 0), ({5: -100.0}, 3), ({i: 2.0 for i in range(40)}, 19)]:
+    for bias, min_tokens in [({}, 0), ({43: -100.0}, 3), ({i: 8.0 for i in range(40)}, 19)]:
         changed = [dataclasses.replace(sp, logit_bias=bias, min_tokens=min(min_tokens,
                                                                           sp.max_new_tokens))
                    for sp in sampling]
