@@ -199,7 +199,10 @@ def test_the_time_budget_covers_the_whole_run(trained, corpus, tmp_path):
     assert rows[-1]["step"] == summary["steps"] < cfg.max_steps  # the budget stopped it...
     assert max(checkpoint.manager(cfg.run_dir).all_steps()) == summary["steps"]  # ...saved
     assert rows[-1]["elapsed_s"] < budget  # counted from the start of the run
-    assert wall > budget - 5.0, f"a {budget} s budget stopped after {wall:.1f} s"
+    # Not far too early: the run keeps room for one more step and two evaluations +
+    # checkpoints as long as the last ones took, which on a loaded machine (load 8, seen
+    # here) is seconds: 5 s of slack failed there at 9.7 s. Half the budget is a bug.
+    assert wall > budget / 2, f"a {budget} s budget stopped after {wall:.1f} s"
     print(f"{budget} s budget: {wall:.2f} s, {summary['steps']} steps")
 
 
