@@ -47,6 +47,7 @@ namespace {
 
 constexpr int64_t kPanel = 8;  // channels per panel: one vector of eight floats
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead in a panel's bytes to prefetch
+constexpr int64_t kL1Bytes = 32768;  // the L1 data cache of a core
 // Tasks per thread in a call: the threads claim them one by one, so the last one to finish
 // waits at most one task's time for the other.
 constexpr int64_t kTasksPerThread = 8;
@@ -153,10 +154,29 @@ void rows_by_panel(const float* x, const int8_t* w, const float* scale, int64_t 
   }
 }
 
+// Rows [r, r1), fewer than six, times the pair of panels p and p + 1: as many copies of
+// the accumulators as fit (`panel_tile`'s U), at most twelve.
+void rows_by_panel_pair(const float* x, const int8_t* w, const float* scale, int64_t I,
+                        int64_t O, int64_t r, int64_t r1, int64_t p, float* y) {
+  switch (r1 - r) {
+    case 5: rows_by_panels<2, 5, 1>(x, w, scale, I, O, r, p, y); break;
+    case 4: rows_by_panels<2, 4, 1>(x, w, scale, I, O, r, p, y); break;
+    case 3: rows_by_panels<2, 3, 2>(x, w, scale, I, O, r, p, y); break;
+    case 2: rows_by_panels<2, 2, 3>(x, w, scale, I, O, r, p, y); break;
+    case 1: rows_by_panels<2, 1, 6>(x, w, scale, I, O, r, p, y); break;
+    default: break;
+  }
+}
+
 // Panels [p0, p1) for every row. With a dozen rows or more (a prefill), pairs of panels by
 // six rows: twelve accumulators, each widened weight vector serving six multiply-adds, ran
 // at 190 GFLOP/s on 2 cores here (the FMA peak) against 163 for one panel by eight rows;
-// the rows left over, and a decode step's few rows, panel by panel (`rows_by_panel`).
+// the rows left over by the same pair of panels (`rows_by_panel_pair`). So too with six to
+// eleven rows (a batch-8 decode step) whose inputs overflow the L1 cache: eight rows of
+// 3072 inputs (the MLP's second matrix) ran at 87 GFLOP/s on one core as six and two rows
+// by pairs of panels, 74 panel by panel (`rows_by_panel`: eight rows' inputs from L2 per
+// weight vector); of 768 inputs, 80-85 panel by panel, 2-4% above the pairs. Fewer rows (a
+// batch-1 decode step), and a last odd panel, panel by panel.
 void panels(const float* x, const int8_t* w, const float* scale, int64_t M, int64_t I,
             int64_t O, int64_t p0, int64_t p1, float* y) {
   // Rows in blocks whose inputs stay in L2 (~256 KB) while this task's panels stream by.
@@ -164,12 +184,11 @@ void panels(const float* x, const int8_t* w, const float* scale, int64_t M, int6
   for (int64_t b0 = 0; b0 < M; b0 += block) {
     const int64_t b1 = std::min(M, b0 + block);
     int64_t p = p0;
-    if (b1 - b0 >= 12) {
+    if (b1 - b0 >= 12 || (b1 - b0 >= 6 && (b1 - b0) * I * 4 > kL1Bytes)) {
       for (; p + 2 <= p1; p += 2) {
         int64_t r = b0;
         for (; r + 6 <= b1; r += 6) rows_by_panels<2, 6, 1>(x, w, scale, I, O, r, p, y);
-        rows_by_panel(x, w, scale, I, O, r, b1, p, y);
-        rows_by_panel(x, w, scale, I, O, r, b1, p + 1, y);
+        rows_by_panel_pair(x, w, scale, I, O, r, b1, p, y);
       }
     }
     for (; p < p1; ++p) rows_by_panel(x, w, scale, I, O, b0, b1, p, y);
@@ -221,8 +240,9 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   // matrices of the call (one parallel loop for all: the threads never wait between them).
   int64_t panels_in_all = 0;
   for (auto& m : matrices) panels_in_all += m.P;
-  const int64_t per_task = std::max<int64_t>(
+  int64_t per_task = std::max<int64_t>(
       1, panels_in_all / (kTasksPerThread * std::max<int64_t>(1, pool.num_threads())));
+  per_task += per_task % 2;  // whole pairs of panels (see `panels`)
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (matrix, first panel)
   for (size_t k = 0; k < matrices.size(); ++k)
     for (int64_t p = 0; p < matrices[k].P; p += per_task) tasks.emplace_back(k, p);

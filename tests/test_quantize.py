@@ -81,6 +81,8 @@ def _quantized(O, I):
 
 @pytest.mark.parametrize("M,I,O", [
     (1, 37, 29), (3, 37, 29), (8, 37, 29), (13, 37, 29),  # 1 row, a partial tile, a full one
+    (15, 37, 29), (17, 37, 29),  # pairs of panels by six rows and the 3 or 5 left over
+    (8, 1100, 40),  # 8 rows whose inputs overflow L1: by pairs of panels, 6 rows and 2
     (1, 64, 96), (13, 64, 96), (40, 64, 96),  # 40: pairs of panels by six rows, and the rest
     (1, 96, 50257), (8, 96, 50257),  # GPT-2's vocabulary: 6283 panels, the last one partial
 ])
