@@ -201,6 +201,7 @@ class Loop:
         self.mesh, self.mngr, self.flops_per_token, self.peak = mesh, mngr, flops_per_token, peak
         self.elapsed0, self.train_seconds, self.steps_run = elapsed0, 0.0, 0
         self.step, self.loss, self.losses, self.evals = 0, math.nan, [], {}
+        self.step_times = []  # every step's wall time since the last evaluation
         self.saved_step, self.primary = None, distributed.is_primary()
         self.started = started  # perf_counter() when the run began: the budget counts from it
         self.step_s = 0.0  # the last step's wall time
@@ -248,6 +249,7 @@ class Loop:
             self.steps_run += 1
         self.step = step + 1
         self.losses.append(self.loss)
+        self.step_times.append(self.step_s)
         bar.set_postfix_str(self.postfix(), refresh=False)
         due = self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps
         out_of_time = self.out_of_time(due)
@@ -316,8 +318,9 @@ class Loop:
         self.evals = evaluate(state.params, self.config, self.cfg, self.batches, self.mesh)
         record = {"step": self.step, "train_loss": float(np.mean(self.losses)),
                   **self.evals, "elapsed_s": elapsed, "tokens_per_s": self.tokens_per_s(),
-                  "train_losses": self.losses}  # every step's loss since the last line
-        self.losses = []
+                  "train_losses": self.losses,  # every step's loss since the last line
+                  "step_seconds": self.step_times}  # and its wall time (the first compiles)
+        self.losses, self.step_times = [], []
         if self.primary:  # one writer when several processes train together
             report.append_metrics(self.cfg.run_dir, record)
         self.say(bar, f"step {self.step}: train {record['train_loss']:.4f} val "
