@@ -202,6 +202,7 @@ class Loop:
         self.elapsed0, self.train_seconds, self.steps_run = elapsed0, 0.0, 0
         self.step, self.loss, self.losses, self.evals = 0, math.nan, [], {}
         self.step_times = []  # every step's wall time since the last evaluation
+        self.next_batch = (-1, None)  # (step, (x, y)) placed ahead of its step
         self.saved_step, self.primary = None, distributed.is_primary()
         self.started = started  # perf_counter() when the run began: the budget counts from it
         self.step_s = 0.0  # the last step's wall time
@@ -238,10 +239,11 @@ class Loop:
         """Step `step`, then evaluate and checkpoint when it is time. Returns
         `(state, stop)`; `stop` when the time budget has no room for another step."""
         cfg = self.cfg
-        x, y = step_batch(cfg, self.batches, step)
         tick = time.perf_counter()
-        state, loss = train_step(state, sharding.put_batch(x, self.mesh, 1),
-                                 sharding.put_batch(y, self.mesh, 1))
+        batch = self.next_batch if self.next_batch[0] == step else self.place_batch(step)
+        state, loss = train_step(state, *batch[1])
+        if step + 1 < cfg.max_steps:  # made and placed while the step runs (it is async)
+            self.next_batch = self.place_batch(step + 1)
         self.loss = float(loss)  # syncs, so the timing below is real
         self.step_s = time.perf_counter() - tick
         if step > start:  # the first step of a process compiles: not throughput
@@ -261,6 +263,11 @@ class Loop:
             self.say(bar, f"time budget of {cfg.time_budget_s:g} s: stopped at step "
                           f"{self.step}, {time.perf_counter() - self.started:.0f} s in")
         return state, out_of_time
+
+    def place_batch(self, step: int):
+        """`(step, (x, y))`: the batch of `step` on the mesh (`step_batch`, `put_batch`)."""
+        x, y = step_batch(self.cfg, self.batches, step)
+        return step, (sharding.put_batch(x, self.mesh, 1), sharding.put_batch(y, self.mesh, 1))
 
     def out_of_time(self, due: bool) -> bool:
         """Would one more step and then the final evaluation and checkpoint end past the
