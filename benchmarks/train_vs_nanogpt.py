@@ -20,8 +20,9 @@ slows both alike. Per side and round: the median iteration time (nanoGPT's own `
 per iteration; ours from `step_seconds` in the run's metrics.jsonl; the first iteration
 compiles in ours and is left out of both), tokens/s from it, the whole subprocess's wall
 time, and the val curve (nanoGPT: 20 random val batches per evaluation; ours:
-`eval_batches` fixed ones). Prints a table, writes results/train_vs_nanogpt[-TAG].json and
-.png. Exits with status 1 when the baseline folder is missing, 2 when a run fails.
+`eval_batches` fixed ones). Prints a table and writes results/train_vs_nanogpt[-TAG].json
+and .png (after every round). Exits with status 1 when the baseline folder is missing, 2
+when a run fails.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def settings(preset: str, iters: int | None):
     overrides = {"learning_rate": 1e-3, "min_learning_rate": 1e-4} \
         if preset == "nanogpt-cpu" else {}
     cfg = TrainConfig.preset(preset, **overrides)
-    if iters:
-        cfg = TrainConfig.preset(preset, **overrides, max_steps=iters,
-                                 eval_interval=min(cfg.eval_interval, iters))
+    if iters:  # evaluations at the same steps, the last one included (nanoGPT evaluates
+        # at multiples of its interval only): the largest divisor within the preset's
+        every = max(d for d in range(1, min(cfg.eval_interval, iters) + 1) if iters % d == 0)
+        cfg = TrainConfig.preset(preset, **overrides, max_steps=iters, eval_interval=every)
     model = GPTConfig.preset(cfg.model)
     block = cfg.block_size or model.max_seq_len
     nano = {"device": "cpu", "compile": False, "eval_iters": cfg.eval_batches,
@@ -131,6 +133,25 @@ def summary(runs: list[dict], tokens_per_iter: int) -> dict:
             "final_val_by_round": [r["val"][-1][1] for r in runs]}
 
 
+def write_results(args, cfg, nano: dict, runs: dict) -> dict:
+    """The rounds both sides have finished, as results/train_vs_nanogpt[-TAG].json and .png
+    (rewritten after every round, so an interrupted run keeps what it measured)."""
+    tokens_per_iter = cfg.grad_accum * cfg.batch_size * nano["block_size"]
+    done = min(len(r) for r in runs.values())
+    result = {"machine": machine(), "args": vars(args), "preset": args.preset,
+              "iterations": cfg.max_steps, "tokens_per_iter": tokens_per_iter,
+              "rounds_done": done, "nanogpt_flags": nano,
+              **{name: summary(r[:done], tokens_per_iter) for name, r in runs.items()}}
+    result["ratio"] = result["ours"]["tokens_per_s"] / result["nanogpt"]["tokens_per_s"]
+    result["ratio_by_round"] = [a / b for a, b in zip(
+        result["ours"]["tokens_per_s_by_round"], result["nanogpt"]["tokens_per_s_by_round"])]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"train_vs_nanogpt{'-' + args.tag if args.tag else ''}"
+    path.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    plot(result, path.with_suffix(".png"))
+    return {**result, "path": str(path)}
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -172,7 +193,6 @@ def main(argv=None) -> int:
               "missing); nothing to compare against", file=sys.stderr)
         return 1
     cfg, nano = settings(args.preset, args.iters)
-    tokens_per_iter = cfg.grad_accum * cfg.batch_size * nano["block_size"]
     runs = {"nanogpt": [], "ours": []}
     with tempfile.TemporaryDirectory(prefix="train_vs_nanogpt-") as tmp:
         tmp = Path(tmp)
@@ -205,18 +225,13 @@ def main(argv=None) -> int:
                           f"{1e3 * statistics.median(last['iter_seconds']):.1f} ms/iter, "
                           f"wall {last['wall_s']:.0f} s, val {last['val'][-1][1]:.4f}",
                           flush=True)
+                write_results(args, cfg, nano, runs)  # after each round
         except RuntimeError as error:
             print(f"train_vs_nanogpt: {error}", file=sys.stderr)
             return 2
-    result = {"machine": machine(), "args": vars(args), "preset": args.preset,
-              "iterations": cfg.max_steps, "tokens_per_iter": tokens_per_iter,
-              "nanogpt_flags": nano,
-              **{name: summary(r, tokens_per_iter) for name, r in runs.items()}}
-    result["ratio"] = result["ours"]["tokens_per_s"] / result["nanogpt"]["tokens_per_s"]
-    result["ratio_by_round"] = [a / b for a, b in zip(
-        result["ours"]["tokens_per_s_by_round"], result["nanogpt"]["tokens_per_s_by_round"])]
-    print(f"\n{args.preset}, {cfg.max_steps} iterations of {tokens_per_iter} tokens, "
-          f"{args.rounds} round(s); load average now {os.getloadavg()[0]:.1f}")
+    result = write_results(args, cfg, nano, runs)
+    print(f"\n{args.preset}, {cfg.max_steps} iterations of {result['tokens_per_iter']} "
+          f"tokens, {args.rounds} round(s); load average now {os.getloadavg()[0]:.1f}")
     print(f"{'run':<10}{'tokens/s':>10}{'ms/iter':>10}{'wall s':>10}{'train s':>10}"
           f"{'val':>9}")
     for name in ("nanogpt", "ours"):
@@ -228,11 +243,7 @@ def main(argv=None) -> int:
               f"{statistics.median(s['final_val_by_round']):>9.4f}")
     print(f"ours / nanoGPT: {result['ratio']:.2f}x (by round: "
           + ", ".join(f"{r:.2f}" for r in result["ratio_by_round"]) + ")")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = f"train_vs_nanogpt{'-' + args.tag if args.tag else ''}"
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
-    plot(result, RESULTS / f"{name}.png")
-    print(f"wrote {RESULTS / name}.json and .png")
+    print(f"wrote {result['path']}.json and .png")
     return 0
 
 
