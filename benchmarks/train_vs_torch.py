@@ -3,10 +3,13 @@
 Usage:
   python benchmarks/train_vs_torch.py                 # 5 rounds of 20 steps each, 2 threads
   python benchmarks/train_vs_torch.py --rounds 3 --steps 10 --out benchmarks/results/x.json
+  python benchmarks/train_vs_torch.py --model gpt2 --batch 4 --block 256 --rounds 3 --steps 2
 
-Both sides train the same shape (4 layers, 4 heads, d_model 128, block 64, batch 12, vocab
-65, tied embeddings, GELU-tanh MLP, biases) with AdamW (betas 0.9/0.99, weight decay 0.1),
-global-norm clipping at 1.0 and no dropout, on the same random token batches. PyTorch runs
+Both sides train the same shape (by default nanogpt-cpu: 4 layers, 4 heads, d_model 128,
+block 64, batch 12, vocab 65; `--model` names another GPTConfig preset, `--batch` and
+`--block` its batch; tied embeddings, GELU-tanh MLP, biases) with AdamW (betas 0.9/0.99,
+weight decay 0.1), global-norm clipping at 1.0 and no dropout, on the same random token
+batches. PyTorch runs
 `transformers.GPT2LMHeadModel` in eager mode with `torch.set_num_threads(threads)`; JAX runs
 our jitted, donated train step as `python -m training.train` does: the host split into
 `threads` CPU devices (`TrainConfig.cpu_devices`), the batch data-parallel over them. The
@@ -25,16 +28,18 @@ from pathlib import Path
 import numpy as np
 
 
-def jax_runner(batches, steps, threads):
+def jax_runner(batches, threads, model):
     from gpt_jax.config import GPTConfig
     from training import sharding
     from training.config import TrainConfig
     from training.step import init_state, make_optimizer, make_train_step
     from training.train import split_host
 
-    cfg = TrainConfig.preset("nanogpt-cpu", cpu_devices=threads)
+    batch, block = batches[0][0].shape
+    cfg = TrainConfig.preset("nanogpt-cpu", model=model, cpu_devices=threads,
+                             batch_size=batch, block_size=block)
     split_host(cfg)  # before JAX's first operation
-    config = GPTConfig.preset("nanogpt-cpu", vocab_size=65)
+    config = GPTConfig.preset(model, max_seq_len=block)
     mesh = sharding.make_mesh(cfg.devices)
     optimizer = make_optimizer(cfg)
     state, shardings = init_state(cfg, config, optimizer, mesh)
@@ -52,13 +57,17 @@ def jax_runner(batches, steps, threads):
     return run
 
 
-def torch_runner(batches, steps, threads):
+def torch_runner(batches, threads, model):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from gpt_jax.config import GPTConfig
+
+    shape = GPTConfig.preset(model)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=65, n_positions=64, n_embd=128, n_layer=4, n_head=4,
+    config = GPT2Config(vocab_size=shape.vocab_size, n_positions=batches[0][0].shape[1],
+                        n_embd=shape.d_model, n_layer=shape.n_layers, n_head=shape.n_heads,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         activation_function="gelu_new", bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config).train()
@@ -93,17 +102,23 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="train steps per side per round")
     parser.add_argument("--threads", type=int, default=2,
                         help="PyTorch intra-op threads, and our CPU devices")
-    parser.add_argument("--out", default="benchmarks/results/train_vs_torch.json")
+    parser.add_argument("--model", default="nanogpt-cpu", help="GPTConfig preset")
+    parser.add_argument("--batch", type=int, default=12)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--out", default="",
+                        help="default: benchmarks/results/train_vs_torch[-MODEL].json")
     args = parser.parse_args(argv)
+    from gpt_jax.config import GPTConfig
 
+    vocab = GPTConfig.preset(args.model).vocab_size
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(8):
-        data = rng.integers(0, 65, (12, 65)).astype(np.int32)
+        data = rng.integers(0, vocab, (args.batch, args.block + 1)).astype(np.int32)
         batches.append((data[:, :-1], data[:, 1:]))
-    tokens = args.steps * 12 * 64
-    runners = {"jax (ours)": jax_runner(batches, args.steps, args.threads),
-               "pytorch (GPT2LMHeadModel)": torch_runner(batches, args.steps, args.threads)}
+    tokens = args.steps * args.batch * args.block
+    runners = {"jax (ours)": jax_runner(batches, args.threads, args.model),
+               "pytorch (GPT2LMHeadModel)": torch_runner(batches, args.threads, args.model)}
     rates = {name: [] for name in runners}
     for r in range(args.rounds):
         for name, run in runners.items():
@@ -116,19 +131,25 @@ def main(argv=None):
     # On a shared machine PyTorch's spinning threads collapse under load while XLA's degrade
     # gently, so the per-round ratios (and the quietest round) matter more than the medians.
     ratios = [a / b for a, b in zip(*rates.values())]
-    result = {"shape": "nanogpt-cpu: L4 N4 D128 T64 B12 V65", "threads": args.threads,
+    shape = GPTConfig.preset(args.model)
+    result = {"shape": f"{args.model}: L{shape.n_layers} N{shape.n_heads} D{shape.d_model} "
+                       f"T{args.block} B{args.batch} V{vocab}", "threads": args.threads,
               "jax_devices": len(__import__("jax").devices()),
               "steps_per_round": args.steps, "tokens_per_s_by_round": rates,
               "ratio_by_round": ratios, "median_tokens_per_s": medians,
+              "median_step_s": {name: args.batch * args.block / v
+                                for name, v in medians.items()},
               "speedup": ours / theirs}
     print("ratio by round: " + ", ".join(f"{r:.2f}" for r in ratios))
     print(f"\n{'implementation':<28}{'median tok/s':>14}")
     for name, value in medians.items():
         print(f"{name:<28}{value:>14,.0f}")
     print(f"{'speedup (ours / pytorch)':<28}{ours / theirs:>14.2f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    out = args.out or ("benchmarks/results/train_vs_torch"
+                       + ("" if args.model == "nanogpt-cpu" else f"-{args.model}") + ".json")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

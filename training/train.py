@@ -201,6 +201,8 @@ class Loop:
         self.mesh, self.mngr, self.flops_per_token, self.peak = mesh, mngr, flops_per_token, peak
         self.elapsed0, self.train_seconds, self.steps_run = elapsed0, 0.0, 0
         self.step, self.loss, self.losses, self.evals = 0, math.nan, [], {}
+        self.step_times = []  # every step's wall time since the last evaluation
+        self.next_batch = (-1, None)  # (step, (x, y)) placed ahead of its step
         self.saved_step, self.primary = None, distributed.is_primary()
         self.started = started  # perf_counter() when the run began: the budget counts from it
         self.step_s = 0.0  # the last step's wall time
@@ -237,10 +239,11 @@ class Loop:
         """Step `step`, then evaluate and checkpoint when it is time. Returns
         `(state, stop)`; `stop` when the time budget has no room for another step."""
         cfg = self.cfg
-        x, y = step_batch(cfg, self.batches, step)
         tick = time.perf_counter()
-        state, loss = train_step(state, sharding.put_batch(x, self.mesh, 1),
-                                 sharding.put_batch(y, self.mesh, 1))
+        batch = self.next_batch if self.next_batch[0] == step else self.place_batch(step)
+        state, loss = train_step(state, *batch[1])
+        if step + 1 < cfg.max_steps:  # made and placed while the step runs (it is async)
+            self.next_batch = self.place_batch(step + 1)
         self.loss = float(loss)  # syncs, so the timing below is real
         self.step_s = time.perf_counter() - tick
         if step > start:  # the first step of a process compiles: not throughput
@@ -248,6 +251,7 @@ class Loop:
             self.steps_run += 1
         self.step = step + 1
         self.losses.append(self.loss)
+        self.step_times.append(self.step_s)
         bar.set_postfix_str(self.postfix(), refresh=False)
         due = self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps
         out_of_time = self.out_of_time(due)
@@ -259,6 +263,11 @@ class Loop:
             self.say(bar, f"time budget of {cfg.time_budget_s:g} s: stopped at step "
                           f"{self.step}, {time.perf_counter() - self.started:.0f} s in")
         return state, out_of_time
+
+    def place_batch(self, step: int):
+        """`(step, (x, y))`: the batch of `step` on the mesh (`step_batch`, `put_batch`)."""
+        x, y = step_batch(self.cfg, self.batches, step)
+        return step, (sharding.put_batch(x, self.mesh, 1), sharding.put_batch(y, self.mesh, 1))
 
     def out_of_time(self, due: bool) -> bool:
         """Would one more step and then the final evaluation and checkpoint end past the
@@ -316,8 +325,9 @@ class Loop:
         self.evals = evaluate(state.params, self.config, self.cfg, self.batches, self.mesh)
         record = {"step": self.step, "train_loss": float(np.mean(self.losses)),
                   **self.evals, "elapsed_s": elapsed, "tokens_per_s": self.tokens_per_s(),
-                  "train_losses": self.losses}  # every step's loss since the last line
-        self.losses = []
+                  "train_losses": self.losses,  # every step's loss since the last line
+                  "step_seconds": self.step_times}  # and its wall time (the first compiles)
+        self.losses, self.step_times = [], []
         if self.primary:  # one writer when several processes train together
             report.append_metrics(self.cfg.run_dir, record)
         self.say(bar, f"step {self.step}: train {record['train_loss']:.4f} val "
