@@ -37,6 +37,7 @@ import json
 import queue
 import re
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -364,6 +365,8 @@ class Server:
                 self.loop = EngineLoop(self.load(), self.metrics)
             except BaseException as error:  # reported by /health and every request
                 self.load_error = error
+                print(f"gpt-jax serve: the model failed to load: {error!r}", file=sys.stderr,
+                      flush=True)
         threading.Thread(target=load, name="load-model", daemon=True).start()
 
     def engine(self) -> Engine:
@@ -759,25 +762,32 @@ def main(argv=None) -> None:
     from inference.cli import load_model
 
     args = parse_args(argv)
-    for name in ("max_slots", "max_queue", "port"):
-        if getattr(args, name) < (0 if name == "max_queue" else 1):
-            raise SystemExit(f"gpt-jax serve: --{name.replace('_', '-')} must be >= 1, "
-                             f"got {getattr(args, name)}")
+    for name, low, high in (("max_slots", 1, None), ("max_queue", 0, None),
+                            ("port", 1, 65535)):
+        value = getattr(args, name)
+        if value < low or (high is not None and value > high):
+            allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise SystemExit(f"gpt-jax serve: --{name.replace('_', '-')} must be {allowed}, "
+                             f"got {value}")
     source = Path(args.hf_checkpoint or args.run_dir)
     if not source.is_dir():
         raise SystemExit(f"gpt-jax serve: {source} is not a directory")
     cfg = ServerConfig(model_name=args.served_model_name or source.resolve().name,
                        api_key=args.api_key, max_queue=args.max_queue,
                        shutdown_timeout=args.shutdown_timeout)
-
-    def load() -> Engine:
+    try:  # a model that cannot load stops here, before the server listens
         params, config, tokenizer, eos = load_model(args)
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer")
-        cfg.eos_token_id = eos
         engine = Engine(params, config, tokenizer, max_slots=args.max_slots,
                         kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
                         quantize=args.quantize)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"gpt-jax serve: {error}") from error
+    cfg.eos_token_id = eos
+
+    def load() -> Engine:
+        """Compile the engine's programs (the slow part) while /health answers 503."""
         if not args.no_warmup:
             print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} slots); "
                   "/health answers 503 until they are ready", flush=True)

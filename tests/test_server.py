@@ -479,3 +479,30 @@ def test_gpt_jax_serve_finishes_requests_in_flight_on_sigterm(tmp_path, config, 
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "99999"], r"--port must be in \[1, 65535\], got 99999$"),
+    (["--max-queue", "-1"], r"--max-queue must be >= 0, got -1$"),
+    (["--kv-cache-bytes", "10"], r"kv_cache_bytes=10 holds no page; one page of \d+ tokens "
+                                 r"takes \d+ bytes$"),
+    (["--run-dir", "{empty}"], r"config\.json"),
+], ids=["port", "max-queue", "kv-cache-bytes", "not-a-run"])
+def test_serve_refuses_bad_flags_and_models_before_it_listens(tmp_path, config, params,
+                                                              monkeypatch, flags, message):
+    """Fault (found by a new user): --port 99999 listened on 34463 (99999 - 65536) while
+    it printed 99999, and a directory that is not a run, or a page pool too small, started
+    a server that answered 500 to everything and printed nothing. Each now stops the
+    command, naming the value, before uvicorn starts."""
+    from inference import server
+
+    run_dir = tmp_path / "run"
+    checkpoint.save_config(run_dir, config)
+    checkpoint.save_tokenizer(run_dir, TOKENIZER)
+    checkpoint.save(checkpoint.manager(run_dir), 1, params, params, {"step": 1})
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the server started"))
+    argv = ["--run-dir", str(run_dir), "--no-warmup"]
+    argv += [f.format(empty=tmp_path / "empty") for f in flags]
+    with pytest.raises(SystemExit, match=r"^gpt-jax serve: .*" + message):
+        server.main(argv)
