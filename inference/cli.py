@@ -41,7 +41,8 @@ DEFAULT_MAX_NEW_TOKENS = 200
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="gpt-jax generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--prompt", action="append", help="text prompt (repeatable)")
     p.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="IDS",
@@ -186,16 +187,17 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
           f"{cache_bytes(config, num_pages, page_size, llm.cache_dtype):,} bytes", file=file)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--run-dir, --hf-checkpoint, --dtype and --quantize: where the model comes from
-    (`load_model`) and how it runs."""
+def add_model_args(p: argparse.ArgumentParser, quantize: bool = True) -> None:
+    """--run-dir, --hf-checkpoint, --dtype and (when `quantize`) --quantize: where the model
+    comes from (`load_model`) and how it runs."""
     p.add_argument("--run-dir", default="runs/shakespeare-char", help="training run directory")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="weights and KV cache dtype (bfloat16 halves the bytes read per step)")
-    p.add_argument("--quantize", choices=QUANTIZE, default=None,
-                   help="int8: weight-only int8, a float32 scale per output channel, "
-                        "quantized at load (a quarter of float32's weight bytes per step; "
-                        "activations float32; --dtype is then the KV cache's)")
+    if quantize:
+        p.add_argument("--quantize", choices=QUANTIZE, default=None,
+                       help="int8: weight-only int8, a float32 scale per output channel, "
+                            "quantized at load (a quarter of float32's weight bytes per step; "
+                            "activations float32; --dtype is then the KV cache's)")
     p.add_argument("--hf-checkpoint", metavar="DIR",
                    help="a Hugging Face GPT-2 directory (config.json + model.safetensors) "
                         "instead of --run-dir; text goes through its tokenizer "

@@ -274,7 +274,7 @@ def parse_args(argv=None):
 
     p = argparse.ArgumentParser(prog="gpt-jax export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
+    add_model_args(p, quantize=False)  # the exported weights are float (--dtype); int8 is not
     p.add_argument("--out", required=True, metavar="FILE", help="the program's file")
     p.add_argument("--batch", type=int, required=True, metavar="B", help="prompts per call")
     p.add_argument("--prompt-len", type=int, required=True, metavar="T",

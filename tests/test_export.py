@@ -299,6 +299,20 @@ def test_bad_cli_input_is_refused_before_the_weights_are_read(tmp_path, config, 
     assert not out.exists()
 
 
+def test_export_has_no_quantize_flag(tmp_path, config, capsys):
+    """Fault (found by a new user): `export --quantize int8` was accepted (the flag came with
+    the shared model flags) and wrote the float32 program byte for byte. The exported
+    weights are float (--dtype); asking for int8 is an argparse error naming the flag."""
+    checkpoint.save_config(tmp_path, config)
+    with pytest.raises(SystemExit) as stop:
+        gpt_jax_cli.main(["export", "--run-dir", str(tmp_path), "--out", str(tmp_path / "x"),
+                          "--batch", "1", "--prompt-len", "4", "--max-new-tokens", "4",
+                          "--quantize", "int8"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --quantize int8" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_failed_write_leaves_no_file(tmp_path, config):
     class Failing:
         def serialize(self):
