@@ -3,6 +3,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -505,16 +506,40 @@ def test_demo_asks_500_characters_per_speaker_in_one_batch_by_cropping(tmp_path,
     assert args.prompt == cli.DEMO_PROMPTS and args.run_dir == str(run)  # one call: one batch
 
 
-def test_resuming_with_another_model_is_refused(corpus, tmp_path):
+@pytest.mark.parametrize("started_with, resumed_with", [
+    ({}, {"model": "tiny"}),
+    ({}, {"tokenizer": "bpe"}),  # fault: trained on as char, recorded as bpe
+    ({"tokenizer": "bpe"}, {"tokenizer": "bpe", "bpe_vocab_size": 300}),
+], ids=["model", "tokenizer", "bpe-vocab-size"])
+def test_resuming_with_another_model_or_tokenizer_is_refused(corpus, tmp_path, started_with,
+                                                             resumed_with):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.json").write_text("{}")  # a started run (never read: refused first)
-    started = TrainConfig.preset("nanogpt-cpu", text=str(corpus), run_dir=str(run_dir))
+    started = TrainConfig.preset("nanogpt-cpu", text=str(corpus), run_dir=str(run_dir),
+                                 **started_with)
     (run_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(started)))
-    cfg = dataclasses.replace(started, model="tiny")
-    with pytest.raises(ValueError, match=rf"{run_dir} holds a '{started.model}' model; it "
-                                         r"cannot resume as model 'tiny'"):
+    (name, value), = [(k, v) for k, v in resumed_with.items() if v != started_with.get(k)]
+    cfg = dataclasses.replace(started, **resumed_with)
+    with pytest.raises(ValueError, match=rf"{run_dir} holds a run with {name} "
+                                         rf"{getattr(started, name)!r}; it cannot resume with "
+                                         rf"{name} {value!r} \(start a new --run-dir"):
         T.prepare_run(cfg)
+    assert json.loads((run_dir / "train_config.json").read_text())[name] == \
+        getattr(started, name)  # nothing recorded
+
+
+def test_resuming_a_finished_run_says_so_and_its_summary_is_json(trained, tmp_path, capsys):
+    """Fault (found by a new user): `train --run-dir DIR` on a run at its max_steps printed
+    no reason and a summary with "train_loss": NaN, which is not JSON."""
+    cfg, _, _ = trained
+    run_dir = tmp_path / "done"
+    shutil.copytree(cfg.run_dir, run_dir)
+    summary = T.train(dataclasses.replace(cfg, run_dir=str(run_dir)))
+    out = capsys.readouterr().out
+    assert f"{run_dir} is at step 300, max_steps 300: nothing to train" in out
+    assert summary["steps"] == 300 and summary["train_loss"] is None
+    json.dumps(summary, allow_nan=False)  # raises ValueError on NaN
 
 
 def test_the_mfu_peak_is_the_fastest_matmul_not_the_mean(monkeypatch):

@@ -88,8 +88,8 @@ def prepare_run(cfg: TrainConfig):
 
     Raises:
       ValueError: the corpus is empty or too short for one block in either split, the
-        block is longer than the model's max_seq_len, or the run directory holds another
-        model than `cfg.model`.
+        block is longer than the model's max_seq_len, or the run directory holds a run of
+        another model, tokenizer or BPE vocabulary size than `cfg`'s.
     """
     run_dir = Path(cfg.run_dir)
     text = load_corpus(cfg)
@@ -97,10 +97,13 @@ def prepare_run(cfg: TrainConfig):
         raise ValueError("the corpus is empty: a corpus needs text")
     if (run_dir / "config.json").exists():
         saved = run_dir / "train_config.json"
-        model = json.loads(saved.read_text()).get("model") if saved.exists() else None
-        if model is not None and model != cfg.model:
-            raise ValueError(f"{run_dir} holds a {model!r} model; it cannot resume as "
-                             f"model {cfg.model!r} (start a new --run-dir for that)")
+        was = json.loads(saved.read_text()) if saved.exists() else {}
+        fixed = ("model", "tokenizer") + (("bpe_vocab_size",) if cfg.tokenizer == "bpe" else ())
+        for name in fixed:  # what the saved config and tokenizer are made of
+            if name in was and was[name] != getattr(cfg, name):
+                raise ValueError(f"{run_dir} holds a run with {name} {was[name]!r}; it cannot "
+                                 f"resume with {name} {getattr(cfg, name)!r} (start a new "
+                                 "--run-dir for that)")
         config, tokenizer = checkpoint.load_config(run_dir), checkpoint.load_tokenizer(run_dir)
     else:
         tokenizer = make_tokenizer(cfg, text)
@@ -132,7 +135,9 @@ def start_or_resume(cfg, config, tokenizer, state: TrainState, mngr):
         step, elapsed = int(meta["step"]), float(meta.get("elapsed_s", 0.0))
         if primary:
             report.truncate_metrics(run_dir, step)  # drop evaluations logged after it
-            print(f"resuming {run_dir} from step {step}")
+            print(f"resuming {run_dir} from step {step}" if step < cfg.max_steps else
+                  f"{run_dir} is at step {step}, max_steps {cfg.max_steps}: nothing to train "
+                  "(--max-steps N, above it, trains on)")
     else:
         if primary:
             checkpoint.save_config(run_dir, config)
@@ -343,7 +348,9 @@ class Loop:
         self.finish_s = time.perf_counter() - tick
 
     def summary(self) -> dict[str, Any]:
-        return {"steps": self.step, "train_loss": self.loss, **self.evals,
+        # no step run (a finished run resumed): null, not NaN, which JSON does not allow
+        loss = None if math.isnan(self.loss) else self.loss
+        return {"steps": self.step, "train_loss": loss, **self.evals,
                 "train_seconds": self.train_seconds, "tokens_per_s": self.tokens_per_s()}
 
 
@@ -400,7 +407,7 @@ _DESCRIPTION = "\n\n".join(__doc__.split("\n\n")[:2])
 def _flags(argv: list[str], default: Flags, first_pass: bool = False):
     """`tyro.cli` over `Flags`; the first pass ignores what it does not know and --help."""
     return tyro.cli(Flags, args=argv, default=default, description=_DESCRIPTION,
-                    prog=os.path.basename(sys.argv[0]),  # as argparse names it
+                    prog="gpt-jax train",  # as `gpt-jax serve` and `gpt-jax export` name theirs
                     registry=_FLAG_TYPES, config=(tyro.conf.FlagConversionOff,),
                     add_help=not first_pass, return_unknown_args=first_pass)
 
