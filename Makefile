@@ -35,7 +35,7 @@ $(VENV)/.browser-installed: | $(VENV)/bin/python
 	touch $@
 
 test: $(VENV)/.test-installed $(VENV)/.browser-installed
-	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers: compiling is mostly one core's work
+	$(PY) -m pytest -q -n 3 --dist loadfile  # three workers on 2 cores: compiling is mostly one core's work, and a worker often waits on a subprocess
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache  # .pytest_cache holds the tests' compilation cache
