@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import assert_close
+from conftest import TEST_XLA_FLAGS, assert_close
 from gpt_jax import checkpoint
 from test_train import synthetic_corpus
 from training import distributed, report
@@ -64,9 +64,10 @@ class Proc:
         return self.err.read_text()
 
 
-# Every run compiles with XLA's backend at optimization level 0: the tests compare what the
-# runs compute, not how fast, and it halves a run's compile time (16 -> 10 s of CPU each).
-XLA_FLAGS = "--xla_backend_optimization_level=0"
+# Every run compiles with the suite's XLA flags (conftest.TEST_XLA_FLAGS: LLVM at optimization
+# level 0, the elemental fusion emitters): the tests compare what the runs compute, not how
+# fast, and level 0 alone halved a run's compile time (16 -> 10 s of CPU each).
+XLA_FLAGS = TEST_XLA_FLAGS
 
 
 class Launcher:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import TEST_XLA_FLAGS
 from gpt_jax import CharTokenizer, GPTConfig, checkpoint, cpu_attention, init_params
 from gpt_jax import cli as gpt_jax_cli
 from inference import SamplingParams, export, generate
@@ -148,7 +149,7 @@ def exported(tmp_path_factory):
     folder = tmp_path_factory.mktemp("export")
     (folder / "loader.py").write_text(LOADER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # compiles sooner, same tokens
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # the suite's (conftest): compiles sooner, same tokens
     if jax.config.jax_compilation_cache_dir:  # conftest's cache: warm reruns compile nothing
         env.update(JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")

@@ -19,9 +19,10 @@ def test_four_device_step_and_generate_match_one_device():
     import jax
     import numpy as np
 
+    from conftest import TEST_XLA_FLAGS
     from gpt_jax import checkpoint, forward
 
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={N_DEVICES}",
+    env = {**os.environ, "XLA_FLAGS": f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={N_DEVICES}",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)
