@@ -205,21 +205,27 @@ class Scheduler:
                     self.pending.setdefault(key, seq)
 
     def prefill_work(self) -> list[PrefillWork]:
-        """Chunks of the prefilling sequences for one prefill call, in admission order: at
-        most `max_prefill_tokens` tokens in all, and rows x padded length within that budget
-        (so the compiled shapes stay few)."""
-        work, budget = [], self.max_prefill_tokens
-        for seq in self.active:
-            if seq.status != Status.PREFILLING or budget <= 0:
-                continue
-            n = min(len(seq.target) - seq.prefilled, budget)
-            rows, longest = len(work) + 1, max([w.n for w in work] + [n])
-            if work and bucket(rows) * bucket(longest, 16) > max(self.max_prefill_tokens,
-                                                                  bucket(longest, 16)):
-                break
-            work.append(PrefillWork(seq, seq.prefilled, n))
-            budget -= n
-        return work
+        """Chunks of the prefilling sequences for one prefill call, in admission order. The
+        call's shape is `[rows, T]`: T a power of two from 16, rows a power of two, rows x T
+        at most `max_prefill_tokens` (or one row; the shapes `Engine.warmup` compiles), each
+        row one sequence's next chunk of at most T tokens. Of those shapes, the one that puts
+        the most prompt tokens through is chosen (on a tie, the longer T: the first prompts
+        complete sooner); a row's padding costs as much as a token, so several prompts'
+        chunks, not one prompt padded to the bucket above it, fill the call."""
+        seqs = [s for s in self.active if s.status == Status.PREFILLING]
+        budget, best = self.max_prefill_tokens, (0, [])
+        T = 16
+        while T <= bucket(budget, 16) and seqs:
+            rows = 1
+            while 2 * rows * T <= budget and rows < len(seqs):
+                rows *= 2
+            work = [PrefillWork(s, s.prefilled, min(len(s.target) - s.prefilled, T, budget))
+                    for s in seqs[:rows]]
+            tokens = sum(w.n for w in work)
+            if tokens >= best[0]:
+                best = (tokens, work)
+            T *= 2
+        return best[1]
 
     def prefilled(self, work: list[PrefillWork]) -> None:
         """Record a prefill call: advance each sequence and cache its newly full pages."""
