@@ -148,10 +148,10 @@ class Scheduler:
     `reserve_decode` (which may preempt), and `free` for finished or aborted sequences."""
 
     def __init__(self, *, max_slots: int, num_pages: int, page_size: int, max_seq_len: int,
-                 max_prefill_tokens: int, prefix_caching: bool):
+                 max_prefill_tokens: int, prefill_chunk_tokens: int, prefix_caching: bool):
         self.max_slots, self.page_size, self.max_seq_len = max_slots, page_size, max_seq_len
         self.max_pages = pages_for(max_seq_len, page_size)
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens, self.prefill_chunk_tokens = max_prefill_tokens, prefill_chunk_tokens
         self.prefix_caching = prefix_caching
         self.pool = PagePool(num_pages)
         self.free_slots = list(range(max_slots))  # a heap: the lowest slot first
@@ -208,18 +208,20 @@ class Scheduler:
         """Chunks of the prefilling sequences for one prefill call, in admission order. The
         call's shape is `[rows, T]`: T a power of two from 16, rows a power of two, rows x T
         at most `max_prefill_tokens` (or one row; the shapes `Engine.warmup` compiles), each
-        row one sequence's next chunk of at most T tokens. Of those shapes, the one that puts
-        the most prompt tokens through is chosen (on a tie, the longer T: the first prompts
-        complete sooner); a row's padding costs as much as a token, so several prompts'
-        chunks, not one prompt padded to the bucket above it, fill the call."""
+        row one sequence's next chunk of at most T and `prefill_chunk_tokens` tokens (vLLM's
+        long_prefill_token_threshold: a long prompt goes in small chunks, each stalling the
+        running requests briefly, while short ones share the call). Of those shapes, the one
+        that puts the most prompt tokens through is chosen (on a tie, the longer T: the first
+        prompts complete sooner); a row's padding costs as much as a token, so several
+        prompts' chunks, not one prompt padded to the bucket above it, fill the call."""
         seqs = [s for s in self.active if s.status == Status.PREFILLING]
-        budget, best = self.max_prefill_tokens, (0, [])
+        budget, chunk, best = self.max_prefill_tokens, self.prefill_chunk_tokens, (0, [])
         T = 16
-        while T <= bucket(budget, 16) and seqs:
+        while T <= bucket(min(budget, chunk), 16) and seqs:
             rows = 1
             while 2 * rows * T <= budget and rows < len(seqs):
                 rows *= 2
-            work = [PrefillWork(s, s.prefilled, min(len(s.target) - s.prefilled, T, budget))
+            work = [PrefillWork(s, s.prefilled, min(len(s.target) - s.prefilled, T, budget, chunk))
                     for s in seqs[:rows]]
             tokens = sum(w.n for w in work)
             if tokens >= best[0]:
