@@ -3,7 +3,7 @@ seeded arrival workload, with `inference.generate` on the batch that has arrived
 previous one ends (our static batching), and optionally `transformers` `generate` likewise.
 
 Usage (also `gpt-jax bench serving [flags]`; writes benchmarks/results/serving-SCENARIO.*):
-  python benchmarks/serving.py arrivals --preset gpt2 --requests 64 --rates 1 8
+  python benchmarks/serving.py arrivals --preset gpt2 --requests 48 --rates 2 8
   python benchmarks/serving.py prefix --preset gpt2       # 32 requests, 256-token prefix
   python benchmarks/serving.py long-prompt --preset gpt2  # 1,000 tokens while 16 decode
   python benchmarks/serving.py decode-step --preset gpt2  # 32 running slots vs generate
@@ -14,18 +14,25 @@ Scenarios:
     on and off: tokens prefilled, TTFT p50/p99.
   long-prompt: 16 requests decoding, then a 1,000-token prompt arrives; time per output
     token of the 16 (the time since a request's previous tokens over its new ones, so a
-    prefill step that stalls it counts), p50 and p99, with prefill budgets of 128,
-    --max-prefill-tokens and 1024 (the whole prompt in one prefill).
+    prefill step that stalls it counts), p50 and p99, with prefill budgets (and chunks) of
+    64, 128 and 1024 (the whole prompt in one prefill), and with --max-prefill-tokens and
+    --prefill-chunk-tokens (the Engine's defaults: 128 and 64).
   decode-step: an engine step with 32 running slots (no prefill), per decode step, against
     the marginal decode step of `generate` at batch 32 (same live length), in turns.
 
-Workload: Poisson arrivals at each rate (requests/s); prompt and output lengths uniform in
-[--prompt-min, --prompt-max] and [--out-min, --out-max]; greedy; random token ids; random
+Workload: Poisson arrivals at each rate (requests/s); prompt lengths uniform in
+[--prompt-min, --prompt-max]; output lengths (max_new_tokens) either uniform in [--out-min,
+--out-max] (`--outputs uniform`) or as a model that stops at EOS makes them (`--outputs
+eos`, the default): a stop with the same chance after every token, i.e. geometric lengths
+of mean --out-mean, clipped to [--out-min, --out-max]; greedy; random token ids; random
 weights (no downloads). The same workload for every engine. Static batching returns a batch
 at its end, so its first token arrives then (it does not stream). Figures: generated
 tokens/s over the whole run, time to first token (TTFT) and time per output token (TPOT,
 per request: (last - first token time) / (tokens - 1)) p50 and p99, peak KV pages in use.
-Each of ours runs a workload until a run compiles no new program, and that run is timed.
+The Engine first runs the workload until a run compiles no new program (its warmup compiles
+every shape); static batching's clock stops while a batch of a new shape compiles. Then
+--rounds timed runs take turns between the engines (a busy machine slows all alike), and
+each figure is the median over the rounds.
 """
 
 from __future__ import annotations
@@ -49,16 +56,21 @@ def workload(args, config, rate, seed):
     """`(arrival seconds, prompt ids, max_new_tokens)` per request, seeded."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1 / rate, args.requests))
+    prompts = rng.integers(args.prompt_min, args.prompt_max + 1, args.requests)
+    if args.outputs == "uniform":
+        outputs = rng.integers(args.out_min, args.out_max + 1, args.requests)
+    else:  # stopped at EOS: P(stop after each token) = 1 / mean
+        outputs = np.clip(rng.geometric(1 / args.out_mean, args.requests), args.out_min,
+                          args.out_max)
     return [(float(t), rng.integers(0, config.vocab_size, int(n)).tolist(), int(m))
-            for t, n, m in zip(arrivals,
-                               rng.integers(args.prompt_min, args.prompt_max + 1, args.requests),
-                               rng.integers(args.out_min, args.out_max + 1, args.requests))]
+            for t, n, m in zip(arrivals, prompts, outputs)]
 
 
 def run_continuous(params, config, args, requests):
     """Add each request at its arrival time, step the engine, time every token."""
     engine = Engine(params, config, max_slots=args.max_slots,
-                    max_prefill_tokens=args.max_prefill_tokens)
+                    max_prefill_tokens=args.max_prefill_tokens,
+                    prefill_chunk_tokens=args.prefill_chunk_tokens)
     engine.warmup()
     times = {i: [] for i in range(len(requests))}
     start, pending, peak = time.perf_counter(), list(enumerate(requests)), 0
@@ -79,7 +91,9 @@ def run_continuous(params, config, args, requests):
 
 
 def run_static(generate_fn, requests, max_batch):
-    """Run every request that has arrived (at most `max_batch`) as one batch; repeat."""
+    """Run every request that has arrived (at most `max_batch`) as one batch; repeat. A batch
+    whose shape compiles a new program is run again and only that run is timed (the clock
+    stops for the first), since which shapes a run meets depends on its timing."""
     times = {i: [] for i in range(len(requests))}
     start, pending = time.perf_counter(), list(enumerate(requests))
     while pending:
@@ -89,7 +103,11 @@ def run_static(generate_fn, requests, max_batch):
             continue
         batch = [p for p in pending if p[1][0] <= now][:max_batch]
         pending = [p for p in pending if p not in batch]
+        tick, before = time.perf_counter(), sum(compile_counts().values())
         lengths = generate_fn([r[1] for _, r in batch], [r[2] for _, r in batch])
+        if sum(compile_counts().values()) != before:
+            start += time.perf_counter() - tick
+            lengths = generate_fn([r[1] for _, r in batch], [r[2] for _, r in batch])
         t = time.perf_counter() - start
         for (i, _), n in zip(batch, lengths):
             times[i] = [t] * n
@@ -158,7 +176,8 @@ def prefix(args, params, config):
     for caching in (True, False):
         for timed in (False, True):  # the first run compiles
             engine = Engine(params, config, max_slots=args.max_slots, prefix_caching=caching,
-                            max_prefill_tokens=args.max_prefill_tokens)
+                            max_prefill_tokens=args.max_prefill_tokens,
+                            prefill_chunk_tokens=args.prefill_chunk_tokens)
             start, first = time.perf_counter(), {}
             for i, prompt in enumerate(prompts):
                 engine.add_request(str(i), prompt, sp)
@@ -186,9 +205,12 @@ def prefix(args, params, config):
 def long_prompt(args, params, config):
     rng = np.random.default_rng(args.seed)
     rows = []
-    for budget in sorted({64, 128, args.max_prefill_tokens, 1024}):
+    settings = dict.fromkeys([(64, 64), (128, 128), (1024, 1024),
+                              (args.max_prefill_tokens, args.prefill_chunk_tokens)])
+    for budget, chunk in settings:
         for timed in (False, True):  # the first run compiles
-            engine = Engine(params, config, max_slots=args.max_slots, max_prefill_tokens=budget)
+            engine = Engine(params, config, max_slots=args.max_slots, max_prefill_tokens=budget,
+                            prefill_chunk_tokens=chunk)
             for i in range(16):
                 engine.add_request(str(i), rng.integers(0, config.vocab_size, 32).tolist(),
                                    SamplingParams(temperature=0.0, max_new_tokens=200))
@@ -208,11 +230,13 @@ def long_prompt(args, params, config):
                     last[o.request_id] = now
                 steps += 1
         p50, p99 = np.percentile(per_token, 50), np.percentile(per_token, 99)
-        rows.append({"max_prefill_tokens": budget, "tpot_p50": float(p50),
+        rows.append({"max_prefill_tokens": budget, "prefill_chunk_tokens": chunk,
+                     "tpot_p50": float(p50),
                      "tpot_p99": float(p99), "p99_over_p50": float(p99 / p50)})
 
     def plot(ax, rows):
-        ax.bar([f"prefill budget {r['max_prefill_tokens']}" for r in rows],
+        ax.bar([f"budget {r['max_prefill_tokens']}, chunk {r['prefill_chunk_tokens']}"
+                for r in rows],
                [r["p99_over_p50"] for r in rows])
         ax.set_ylabel("TPOT p99 / p50 of 16 decoding requests")
 
@@ -255,36 +279,53 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("scenario", choices=["arrivals", "prefix", "long-prompt", "decode-step"])
     p.add_argument("--preset", default="gpt2")
-    p.add_argument("--rounds", type=int, default=3, help="decode-step: rounds in turn")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0])
+    p.add_argument("--rounds", type=int, default=3,
+                   help="arrivals, decode-step: timed rounds, engines in turn")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0])
     p.add_argument("--prompt-min", type=int, default=16)
     p.add_argument("--prompt-max", type=int, default=128)
-    p.add_argument("--out-min", type=int, default=16)
-    p.add_argument("--out-max", type=int, default=128)
-    p.add_argument("--max-slots", type=int, default=32)
+    p.add_argument("--outputs", choices=["eos", "uniform"], default="eos",
+                   help="output lengths: geometric (stopped at EOS) or uniform")
+    p.add_argument("--out-mean", type=int, default=64, help="--outputs eos: mean length")
+    p.add_argument("--out-min", type=int, default=8)
+    p.add_argument("--out-max", type=int, default=256)
+    p.add_argument("--max-slots", type=int, default=None,
+                   help="engine slots and static batch size (default: 16 for arrivals, else 32)")
     p.add_argument("--max-prefill-tokens", type=int, default=128)
+    p.add_argument("--prefill-chunk-tokens", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.max_slots is None:
+        args.max_slots = 16 if args.scenario == "arrivals" else 32
     config = preset(args.preset)
     params = init_params(config, jax.random.key(0))
     scenarios = {"prefix": prefix, "long-prompt": long_prompt, "decode-step": decode_step}
     if args.scenario in scenarios:
         return scenarios[args.scenario](args, params, config)
-    engines = {"static (generate)": ours_static(params, config)}
-    if not args.no_hf:
-        engines["static (transformers)"] = transformers_static(params, config)
+    static = ours_static(params, config)
     rows = []
     for rate in args.rates:
         requests = workload(args, config, rate, args.seed)
-        times, peak = without_compiles(lambda: run_continuous(params, config, args, requests))
-        rows.append({"engine": "continuous (Engine)", "rate": rate, "peak_pages": peak,
-                     **figures(requests, times)})
-        for name, fn in engines.items():
-            times = (without_compiles if name == "static (generate)" else lambda run: run())(
-                lambda: run_static(fn, requests, args.max_slots))
-            rows.append({"engine": name, "rate": rate, **figures(requests, times)})
+        runs = {"continuous (Engine)": lambda: run_continuous(params, config, args, requests),
+                "static (generate)": lambda: (run_static(static, requests, args.max_slots), None)}
+        without_compiles(runs["continuous (Engine)"])
+        rounds = {name: [] for name in runs}
+        for _ in range(args.rounds):
+            for name, run in runs.items():
+                before = sum(compile_counts().values())
+                times, peak = run()
+                rounds[name].append({**figures(requests, times),
+                                     "compiles": sum(compile_counts().values()) - before,
+                                     **({} if peak is None else {"peak_pages": peak})})
+        for name, results in rounds.items():
+            rows.append({"engine": name, "rate": rate, "rounds": len(results),
+                         **{k: float(np.median([r[k] for r in results])) for k in results[0]}})
+        if not args.no_hf:  # one round: it compiles nothing, and it is slow
+            times = run_static(transformers_static(params, config), requests, args.max_slots)
+            rows.append({"engine": "static (transformers)", "rate": rate, "rounds": 1,
+                         **figures(requests, times)})
         base = next(r for r in rows if r["rate"] == rate and r["engine"] == "static (generate)")
         for r in rows:
             if r["rate"] == rate:

@@ -855,9 +855,10 @@ class Engine:
         long_prefill_token_threshold). A prefill step stalls the running requests once. At
         gpt2 shape on 2 CPU cores, with 16 requests decoding while a 1,000-token prompt
         loads, their p99 time per token stays within 2x its median with 64-token chunks
-        (1.64x) but not with 128 (2.36x); arriving prompts of 16-128 tokens are admitted
-        faster two to a 128-token call than one to a 64-token call (1.71x against 1.46x
-        static batching's tokens/s on `benchmarks/serving.py arrivals` at 8 requests/s).
+        (1.59-1.71x) but not always with 128 (1.84-2.36x); arriving prompts of 16-128
+        tokens are admitted faster two to a 128-token call than one to a 64-token call
+        (`benchmarks/serving.py arrivals` at 8 requests/s: 1.66x static batching's tokens/s
+        with these defaults, 1.46x with a 64-token budget).
     Raises:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
