@@ -1017,7 +1017,8 @@ class Engine:
         rows, stops = self._row_arrays()
         table = jnp.asarray(self.scheduler.page_table)
         T = MIN_PROMPT_BUCKET
-        while T <= bucket(budget, MIN_PROMPT_BUCKET):
+        longest = min(budget, self.scheduler.prefill_chunk_tokens)  # a row's most tokens
+        while T <= bucket(longest, MIN_PROMPT_BUCKET):
             R = 1
             while R <= bucket(self.max_slots) and (R == 1 or R * T <= max(budget, T)):
                 zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731

@@ -151,7 +151,8 @@ class Scheduler:
                  max_prefill_tokens: int, prefill_chunk_tokens: int, prefix_caching: bool):
         self.max_slots, self.page_size, self.max_seq_len = max_slots, page_size, max_seq_len
         self.max_pages = pages_for(max_seq_len, page_size)
-        self.max_prefill_tokens, self.prefill_chunk_tokens = max_prefill_tokens, prefill_chunk_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefix_caching = prefix_caching
         self.pool = PagePool(num_pages)
         self.free_slots = list(range(max_slots))  # a heap: the lowest slot first
@@ -221,7 +222,8 @@ class Scheduler:
             rows = 1
             while 2 * rows * T <= budget and rows < len(seqs):
                 rows *= 2
-            work = [PrefillWork(s, s.prefilled, min(len(s.target) - s.prefilled, T, budget, chunk))
+            work = [PrefillWork(s, s.prefilled,
+                                min(len(s.target) - s.prefilled, T, budget, chunk))
                     for s in seqs[:rows]]
             tokens = sum(w.n for w in work)
             if tokens >= best[0]:

@@ -211,8 +211,8 @@ def test_after_warmup_serving_compiles_nothing(config, params, caplog):
     argument committed to a device where warmup's was not once compiled the first prefill
     again, seconds into the first request)."""
     rng = np.random.default_rng(5)
-    engine = Engine(params, config, max_slots=4, max_prefill_tokens=32)
-    engine.warmup()
+    engine = Engine(params, config, max_slots=4, max_prefill_tokens=32, prefill_chunk_tokens=16)
+    engine.warmup()  # prefill shapes up to the 16-token chunk, not the 32-token budget
     before = compile_counts()
     with jax.log_compiles(), caplog.at_level(logging.WARNING):
         engine.add_request("first", [1, 2, 3], SamplingParams(max_new_tokens=3))
