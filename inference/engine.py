@@ -863,7 +863,8 @@ class Engine:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
         tokenizer without encode/decode, another cache dtype, a quantize other than None or
-        `gpt_jax.params.QUANTIZE`, or params that do not match `config`. (A pool too small
+        `gpt_jax.params.QUANTIZE`, a page_size above config.max_seq_len (and 16), or params that do
+        not match `config`. (A pool too small
         for some request is found per request, by add_request.)
     """
 
@@ -890,9 +891,15 @@ class Engine:
         if tokenizer is not None and not (hasattr(tokenizer, "encode")
                                           and hasattr(tokenizer, "decode")):
             raise ValueError(f"Engine tokenizer must have encode and decode, got {tokenizer!r}")
-        dtype = jnp.dtype(cache_dtype)
-        if dtype.name not in ("float32", "bfloat16"):
+        try:
+            dtype = jnp.dtype(cache_dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.name not in ("float32", "bfloat16"):
             raise ValueError(f"Engine cache_dtype must be float32 or bfloat16, got {cache_dtype!r}")
+        if page_size > max(config.max_seq_len, PAGE_SIZE):  # a page past the context
+            raise ValueError(f"Engine page_size must be at most the model's max_seq_len "
+                             f"{config.max_seq_len} (or {PAGE_SIZE}), got {page_size}")
         max_pages = kv.pages_for(config.max_seq_len, page_size)
         if kv_cache_bytes is not None:
             page_bytes = kv.cache_bytes(config, 1, page_size, dtype)

@@ -166,8 +166,8 @@ class LLM:
                max_batch_size: int = 32) -> Iterator[Delta]:
         """Yield text deltas per completion as the engine's chunks of decode steps finish;
         the last delta of each completion carries its TextCompletion. Joined, a
-        completion's deltas equal its `generate` text. Raises as `generate`, before the
-        first delta."""
+        completion's deltas equal its `generate` text. Raises as `generate`, when called
+        (not at the first delta)."""
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         token_prompts, per_prompt = engine.validate(self.config, self._encode(prompts),
@@ -175,6 +175,10 @@ class LLM:
         for p, sp in zip(token_prompts, per_prompt):
             if not p and sp.max_new_tokens > 0:
                 raise ValueError("a prompt is empty; a prompt needs at least one token")
+        return self._deltas(token_prompts, per_prompt, max_batch_size)
+
+    def _deltas(self, token_prompts, per_prompt, max_batch_size: int) -> Iterator[Delta]:
+        """The engine's outputs for validated requests, as `stream` yields them."""
         eng = self.engine(max_batch_size)
         first, ids = [], []  # completion index of each prompt's sample 0; request ids
         for p, (tokens, sp) in enumerate(zip(token_prompts, per_prompt)):

@@ -261,3 +261,10 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(config, params):
     with pytest.raises(ValueError, match=r"kv_cache_bytes=100 holds no page; one page of 16 "
                                          r"tokens takes 8192 bytes"):
         Engine(params, config, kv_cache_bytes=100)
+    with pytest.raises(ValueError, match=r"Engine page_size must be at most the model's "
+                                         rf"max_seq_len {config.max_seq_len} \(or 16\), got 1000000"):
+        Engine(params, config, page_size=10**6)  # would allocate 16 x 10**6 slots
+    for dtype in ("float16", "nonsense"):
+        with pytest.raises(ValueError, match=rf"cache_dtype must be float32 or bfloat16, got "
+                                             rf"'{dtype}'"):
+            Engine(params, config, cache_dtype=dtype)

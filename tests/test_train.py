@@ -455,7 +455,7 @@ def test_val_loss_per_char_uses_the_bpe_token_length(corpus, tmp_path):
     assert math.isclose(evals["val_loss_per_char"], evals["val_loss"] / ratio, rel_tol=1e-9)
 
 
-def test_bpe_run_generates_text_through_its_saved_tokenizer(corpus, tmp_path):
+def test_bpe_run_generates_text_through_its_saved_tokenizer(corpus, tmp_path, capfd):
     from gpt_jax.tokenizer import BPETokenizer
     from inference import SamplingParams
     from inference.llm import LLM
@@ -469,6 +469,10 @@ def test_bpe_run_generates_text_through_its_saved_tokenizer(corpus, tmp_path):
         LLM.from_checkpoint(cfg.run_dir, step=7)
     with pytest.raises(TypeError, match="got a bare string"):
         llm.generate("The king", progress=False)
+    capfd.readouterr()
+    with pytest.raises(TypeError, match="got a bare string"):  # before any progress bar
+        llm.generate("The king")
+    assert capfd.readouterr().err == ""
     sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
     out = llm.generate(["The king speaks ✓"], sampling, progress=False)[0]
     assert len(out.tokens) == 8
