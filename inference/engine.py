@@ -863,9 +863,9 @@ class Engine:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
         tokenizer without encode/decode, another cache dtype, a quantize other than None or
-        `gpt_jax.params.QUANTIZE`, a page_size above config.max_seq_len (and 16), or params that do
-        not match `config`. (A pool too small
-        for some request is found per request, by add_request.)
+        `gpt_jax.params.QUANTIZE`, a page_size above config.max_seq_len (and 16), or params
+        that do not match `config`. (A pool too small for some request is found per
+        request, by add_request.)
     """
 
     def __init__(self, params, config: GPTConfig, tokenizer=None, *, max_slots: int = 16,
@@ -882,8 +882,8 @@ class Engine:
                 continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Engine {name} must be an int >= 1, got {value!r}")
-        max_slots, page_size, max_prefill_tokens = int(max_slots), int(page_size), \
-            int(max_prefill_tokens)
+        max_slots, page_size, max_prefill_tokens, prefill_chunk_tokens = map(
+            int, (max_slots, page_size, max_prefill_tokens, prefill_chunk_tokens))
         if num_pages is not None and kv_cache_bytes is not None:
             raise ValueError("give the Engine num_pages or kv_cache_bytes, not both")
         if not isinstance(prefix_caching, bool):
@@ -914,7 +914,7 @@ class Engine:
         self.scheduler = Scheduler(max_slots=max_slots, num_pages=num_pages,
                                    page_size=page_size, max_seq_len=config.max_seq_len,
                                    max_prefill_tokens=max_prefill_tokens,
-                                   prefill_chunk_tokens=int(prefill_chunk_tokens),
+                                   prefill_chunk_tokens=prefill_chunk_tokens,
                                    prefix_caching=prefix_caching)
         self.widths = (4, 4, 4)  # stop arrays' (E, Q, M), grown on demand
         cache = kv.empty_cache(config, num_pages, max_slots, max_pages, page_size, dtype)
