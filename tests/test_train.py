@@ -208,6 +208,34 @@ def test_the_time_budget_covers_the_whole_run(trained, corpus, tmp_path):
     print(f"{budget} s budget: {wall:.2f} s, {summary['steps']} steps")
 
 
+def test_a_time_budget_ends_the_learning_rate_schedule_with_the_run(corpus, tmp_path):
+    """Fault: with a time budget, a slow machine stopped the run partway through its cosine
+    schedule, at a high learning rate. Now max_steps is fitted to the budget inside the
+    warmup: train_config.json records the fitted value (what a resume keeps), the run ends
+    at or near it, and its params equal those of a run started with that max_steps and no
+    budget, at the same step (the warmup's learning rates do not depend on max_steps)."""
+    budget = 8.0
+    cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "budget"),
+                             max_steps=100_000, warmup_steps=T.FIT_STEPS,
+                             eval_interval=100_000, time_budget_s=budget)
+    seen = {"budget": {}, "fitted": {}}
+
+    def keep(name):
+        return lambda step, params: seen[name].__setitem__(step, jax.device_get(params))
+
+    steps = T.train(cfg, on_eval=keep("budget"))["steps"]
+    fitted = json.loads((tmp_path / "budget" / "train_config.json").read_text())["max_steps"]
+    assert cfg.warmup_steps < fitted < cfg.max_steps
+    # Ended by the fitted schedule, or by the budget's guard before it: the fit cannot
+    # foresee the machine slowing down (this suite runs 3 workers on 2 cores).
+    assert fitted / 2 <= steps <= fitted, (steps, fitted)
+    T.train(dataclasses.replace(cfg, run_dir=str(tmp_path / "fitted"), max_steps=fitted,
+                                eval_interval=steps, time_budget_s=0.0), on_eval=keep("fitted"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 seen["budget"][steps], seen["fitted"][steps])
+    print(f"{budget} s budget: max_steps fitted to {fitted}, ran {steps}")
+
+
 def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(corpus, tmp_path):
     steps, every = 40, 4
     killed_dir, reference_dir = tmp_path / "killed", tmp_path / "reference"

@@ -45,6 +45,12 @@ from training.config import TRAIN_PRESETS, TrainConfig
 from training.step import TrainState, evaluate, init_state, make_optimizer, make_train_step
 
 
+# With a time budget, max_steps is fitted to it after the first FIT_STEPS steps (or at the end
+# of the warmup, if sooner and at least FIT_MIN_STEPS measured), each step expected to take
+# FIT_MARGIN longer than measured: `Loop.fit_to_budget`.
+FIT_STEPS, FIT_MIN_STEPS, FIT_MARGIN = 50, 5, 0.05
+
+
 def split_host(cfg: TrainConfig, processes: int = 1) -> None:
     """Split the host CPU into XLA devices for data parallelism (`sharding.split_host_cpu`):
     `cfg.cpu_devices` of them, or for 0 the largest count that is at most the core count
@@ -163,7 +169,8 @@ def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
     """Train (or resume) a run. Returns a summary: steps, losses, tokens/s, seconds.
 
     A time budget (`cfg.time_budget_s`) counts from this call: setup, compiling, the steps
-    and the final evaluation and checkpoint all fit in it (`Loop.out_of_time`).
+    and the final evaluation and checkpoint all fit in it (`Loop.out_of_time`), and
+    max_steps is lowered to what fits in it (`Loop.fit_to_budget`).
     `on_eval(step, params)` is called after each evaluation; the next step donates those
     params' buffers, so copy them (`jax.device_get`) to keep them.
     """
@@ -187,10 +194,14 @@ def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
               f"{config.vocab_size}, block {batches.block}, {len(batches.train):,} train "
               f"tokens, {mesh.devices.size} device(s) in {jax.process_count()} process(es), "
               f"peak {peak / 1e9:.0f} GFLOP/s")
-    train_step = make_train_step(config, optimizer, jnp.dtype(cfg.compute_dtype), shardings)
+
+    def make_step(cfg: TrainConfig):  # a new max_steps only moves the schedule's end
+        return make_train_step(config, make_optimizer(cfg), jnp.dtype(cfg.compute_dtype),
+                               shardings)
+
     loop = Loop(cfg, config, tokenizer, batches, mesh, mngr, flops_per_token, peak, elapsed0,
                 started)
-    loop.run(train_step, state, start, on_eval)
+    loop.run(make_step, state, start, on_eval)
     mngr.close()  # not on a failure: after a lost process its barriers could wait long
     return loop.summary()
 
@@ -212,19 +223,31 @@ class Loop:
         self.started = started  # perf_counter() when the run began: the budget counts from it
         self.step_s = 0.0  # the last step's wall time
         self.finish_s = 0.0  # the last evaluation + checkpoint's: what ending the run takes
+        self.first_step_s, self.fit_times = 0.0, []  # the compiling step; the others' times
+        self.compile_step = None  # the step that compiles: the first, and the first after a fit
 
-    def run(self, train_step, state: TrainState, start, on_eval) -> TrainState:
-        """Raises RunAborted (with where to resume) when a step fails in a multi-process
+    def run(self, make_step, state: TrainState, start, on_eval) -> TrainState:
+        """Train from step `start` with `make_step(cfg)`'s jitted step (made again when
+        `fit_to_budget` moves max_steps).
+
+        Raises RunAborted (with where to resume) when a step fails in a multi-process
         run: that is how another process stopping shows on this one."""
         cfg = self.cfg
-        self.step = self.saved_step = start
+        self.step = self.saved_step = self.compile_step = start
         if cfg.time_budget_s and start < cfg.max_steps:
             self.warm_up(state)
-        bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps,
-                   unit="step", file=sys.stdout, mininterval=1.0, disable=not self.primary)
-        for step in bar:
+        train_step = make_step(cfg)
+        fit_at = min(cfg.warmup_steps, start + FIT_STEPS)
+        if not (cfg.time_budget_s and fit_at - start > FIT_MIN_STEPS):
+            fit_at = None  # no budget, or too little warmup left to measure in
+        bar = tqdm(initial=start, total=cfg.max_steps, unit="step", file=sys.stdout,
+                   mininterval=1.0, disable=not self.primary)
+        step = start
+        while step < self.cfg.max_steps:
             try:
                 state, stop = self.one_step(train_step, state, step, start, bar, on_eval)
+                if not stop and self.step == fit_at and self.fit_to_budget(bar):
+                    train_step = make_step(self.cfg)
             except Exception as error:
                 if jax.process_count() == 1:
                     raise
@@ -235,10 +258,42 @@ class Loop:
                     "with the same command: the run resumes from the last complete "
                     f"checkpoint in {self.mngr.directory} (this process saved up to step "
                     f"{self.saved_step})") from error
+            bar.update()
+            step += 1
             if stop:
                 break
         bar.close()
         return state
+
+    def fit_to_budget(self, bar) -> bool:
+        """Lower `max_steps` to the steps the time budget still holds, so that the cosine
+        schedule ends with the run instead of the budget cutting it off at a high learning
+        rate (a budget-aware schedule: Li, Yumer & Ramanan 2020, "Budgeted Training").
+        Called once, inside the warmup, whose learning rates do not depend on max_steps: the
+        run then equals one started with the lower max_steps (same batches, same updates),
+        and train_config.json records it, so a resumed run keeps it. Each step is expected to
+        take the median of those measured so far plus `FIT_MARGIN`, each evaluation as long
+        as the last, the recompile as long as the first step. Returns whether it changed."""
+        cfg, now = self.cfg, time.perf_counter()
+        step_s = float(np.median(self.fit_times)) * (1 + FIT_MARGIN)
+        left = self.started + cfg.time_budget_s - now - self.first_step_s - self.finish_s
+        per_step = step_s + self.finish_s / cfg.eval_interval
+        steps = max(self.step + 1, self.step + int(left // per_step))
+        if jax.process_count() > 1:  # process 0's clock decides for all
+            from jax.experimental import multihost_utils
+
+            steps = int(multihost_utils.broadcast_one_to_all(np.int64(steps)))
+        if steps >= cfg.max_steps:
+            return False
+        self.say(bar, f"time budget of {cfg.time_budget_s:g} s: max_steps {cfg.max_steps} -> "
+                      f"{steps}, so the learning-rate schedule ends within it "
+                      f"({1e3 * step_s / (1 + FIT_MARGIN):.1f} ms/step measured)")
+        self.cfg = dataclasses.replace(cfg, max_steps=steps)
+        self.compile_step, bar.total = self.step, steps
+        if self.primary:
+            checkpoint.write_json_atomic(Path(cfg.run_dir) / "train_config.json",
+                                         dataclasses.asdict(self.cfg))
+        return True
 
     def one_step(self, train_step, state, step, start, bar, on_eval):
         """Step `step`, then evaluate and checkpoint when it is time. Returns
@@ -250,13 +305,17 @@ class Loop:
         if step + 1 < cfg.max_steps:  # made and placed while the step runs (it is async)
             self.next_batch = self.place_batch(step + 1)
         self.loss = float(loss)  # syncs, so the timing below is real
-        self.step_s = time.perf_counter() - tick
-        if step > start:  # the first step of a process compiles: not throughput
-            self.train_seconds += self.step_s
+        step_s = time.perf_counter() - tick
+        if step != self.compile_step:  # a step that compiles is neither throughput nor
+            self.train_seconds += step_s  # what the next step is expected to take
             self.steps_run += 1
+            self.step_s = step_s
+            self.fit_times.append(step_s)
+        elif step == start:
+            self.step_s = self.first_step_s = step_s
         self.step = step + 1
         self.losses.append(self.loss)
-        self.step_times.append(self.step_s)
+        self.step_times.append(step_s)
         bar.set_postfix_str(self.postfix(), refresh=False)
         due = self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps
         out_of_time = self.out_of_time(due)
