@@ -221,9 +221,9 @@ class Loop:
         self.next_batch = (-1, None)  # (step, (x, y)) placed ahead of its step
         self.saved_step, self.primary = None, distributed.is_primary()
         self.started = started  # perf_counter() when the run began: the budget counts from it
-        self.step_s = 0.0  # the last step's wall time
+        self.step_s = 0.0  # the last step's wall time, a step that compiles left out
         self.finish_s = 0.0  # the last evaluation + checkpoint's: what ending the run takes
-        self.first_step_s, self.fit_times = 0.0, []  # the compiling step; the others' times
+        self.first_step_s, self.fit_times = 0.0, []  # the compiling step; the next ones'
         self.compile_step = None  # the step that compiles: the first, and the first after a fit
 
     def run(self, make_step, state: TrainState, start, on_eval) -> TrainState:
@@ -310,7 +310,8 @@ class Loop:
             self.train_seconds += step_s  # what the next step is expected to take
             self.steps_run += 1
             self.step_s = step_s
-            self.fit_times.append(step_s)
+            if len(self.fit_times) < FIT_STEPS:
+                self.fit_times.append(step_s)
         elif step == start:
             self.step_s = self.first_step_s = step_s
         self.step = step + 1
@@ -349,11 +350,13 @@ class Loop:
         return out
 
     def warm_up(self, state: TrainState) -> None:
-        """Run the evaluation (and sample) once before training, so it is compiled and the
-        budget knows what ending the run takes before the first checkpoint measures it."""
-        tick = time.perf_counter()
-        evaluate(state.params, self.config, self.cfg, self.batches, self.mesh)
-        self.sample(state)
+        """Run the evaluation (and sample) before training: once to compile them, once
+        timed, so the budget knows what an evaluation takes before the first checkpoint
+        measures one (with its save)."""
+        for _ in range(2):
+            tick = time.perf_counter()
+            evaluate(state.params, self.config, self.cfg, self.batches, self.mesh)
+            self.sample(state)
         self.finish_s = time.perf_counter() - tick
 
     def sample(self, state: TrainState) -> str | None:
