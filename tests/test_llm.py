@@ -235,7 +235,10 @@ def test_default_max_new_tokens_fits_the_models_context_under_error(llm, config,
     assert row["finish_reason"] == "length"
     assert len(row["tokens"]) == config.max_seq_len - len(PIECES.encode(PROMPT)) < 200
     full = PIECES.decode([5] * config.max_seq_len)  # no room left: an error, not 0 tokens
-    with pytest.raises(SystemExit, match=r"prompt length 128 \+ max_new_tokens 1 = 129 exceeds"):
+    with pytest.raises(SystemExit, match=r"^gpt-jax generate: prompt 0: prompt length 128 \+ "
+                       r"max_new_tokens 1 = 129 exceeds the model's max_seq_len 128; allowed: a "
+                       r"sum of at most 128 \(or --context-overflow crop to predict each token "
+                       r"from the last max_seq_len\)$"):  # the flag, not the Python field
         cli.main(["--prompt", full] + error)
     # crop, the CLI's default: 200 tokens whatever the prompt, past the context
     asked = []
@@ -255,7 +258,10 @@ def test_llm_crops_unless_a_request_says_otherwise(llm, monkeypatch):
         SamplingParams(max_new_tokens=500, context_overflow="crop")]))
     assert [sp.context_overflow for sp in added] == ["crop", "error", "crop"]
     assert llm_module.crop_by_default(None) == SamplingParams(context_overflow="crop")
-    with pytest.raises(ValueError, match=r"prompt length 2 \+ max_new_tokens 500 = 502 exceeds"):
+    with pytest.raises(ValueError, match=r"prompt length 2 \+ max_new_tokens 500 = 502 exceeds "
+                       r"the model's max_seq_len 128; allowed: a sum of at most 128 \(or "
+                       r"context_overflow=\"crop\" to predict each token from the last "
+                       r"max_seq_len\)$"):
         list(llm.stream([PROMPT], SamplingParams(max_new_tokens=500, context_overflow="error")))
 
 
