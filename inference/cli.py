@@ -274,6 +274,9 @@ def print_token_ids(llm: LLM, prompts: list[tuple[int, ...]], sampling: Sampling
 def main(argv=None):
     args = parse_args(argv)
     prompts = [p.replace("\\n", "\n") for p in (args.prompt or ["\n"])]
+    if not all(prompts):  # else validate's error names generate's bos_token_id, not a flag
+        raise SystemExit("gpt-jax generate: --prompt is empty; give a non-empty --prompt (the "
+                         "text the model continues), or no --prompt to start from a newline")
     try:
         sampling = sampling_from_args(args)  # every flag checked before loading
         llm = load_llm(args)

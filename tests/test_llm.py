@@ -274,6 +274,19 @@ def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
         cli.main(["--top-q", "0.5"])  # unknown option: argparse exits
 
 
+def test_an_empty_prompt_is_refused_in_flags_before_loading(monkeypatch):
+    """Fault: `--prompt ""` was refused with advice to pass generate's bos_token_id, which the
+    CLI has no flag for."""
+    monkeypatch.setattr(cli.LLM, "from_checkpoint",
+                        lambda run_dir, dtype, quantize: pytest.fail("loaded"))
+    for argv in (["--prompt", ""], ["--prompt", "To be", "--prompt", ""]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == (
+            "gpt-jax generate: --prompt is empty; give a non-empty --prompt (the text the model "
+            "continues), or no --prompt to start from a newline")
+
+
 def test_an_eos_ending_keeps_the_eos_token_but_not_its_text(config, params, monkeypatch,
                                                               capsys):
     """Fault: the EOS token's text left in the completion's text. With a character
