@@ -93,6 +93,18 @@ def test_run_dir_keeps_last_k_and_the_config(trained):
     assert TrainConfig(**saved) == dataclasses.replace(cfg, block_size=32)
 
 
+def test_json_files_get_the_mode_open_gives(tmp_path):
+    """Fault: config.json, summary.json ... were 0600 (tempfile.mkstemp) beside 0644 files."""
+    old = os.umask(0o022)
+    try:
+        checkpoint.write_json_atomic(tmp_path / "summary.json", {"step": 3})
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "summary.json").st_mode & 0o777 == 0o644
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"step": 3}
+    assert os.listdir(tmp_path) == ["summary.json"]  # no temporary file left
+
+
 def test_manager_keeps_the_last_k_and_the_best(tmp_path):
     mngr = checkpoint.manager(tmp_path, keep=2)
     params = {"w": jnp.ones((2, 3))}
