@@ -522,6 +522,32 @@ def test_demo_asks_500_characters_per_speaker_in_one_batch_by_cropping(tmp_path,
     assert args.prompt == cli.DEMO_PROMPTS and args.run_dir == str(run)  # one call: one batch
 
 
+def test_demo_reports_training_done_since_its_summary(tmp_path, monkeypatch, capsys):
+    """Fault: after `gpt-jax train --run-dir RUN --max-steps N` resumed the demo's run, the
+    demo printed its old summary.json (old steps and losses) as the model's."""
+    import inference.cli
+    from gpt_jax import cli
+    from training.report import append_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(
+        {"steps": 100, "tokens_per_s": 1000.0, "train_loss": 2.0, "val_loss": 2.1}))
+    append_metrics(run, {"step": 100, "train_loss": 2.0, "val_loss": 2.1, "tokens_per_s": 1000.0})
+    monkeypatch.setattr(cli, "data_main", lambda argv: None)
+    monkeypatch.setattr(inference.cli, "main", lambda argv: None)
+    cli.demo_main(["--run-dir", str(run)])  # the summary is current: printed as it is
+    assert f"training: 100 steps, 1,000 tokens/s, train loss 2.000, val loss 2.100 nats/char; " \
+           f"model in {run}\n" in capsys.readouterr().out
+    append_metrics(run, {"step": 300, "train_loss": 1.5, "val_loss": 1.6, "tokens_per_s": 900.0})
+    cli.demo_main(["--run-dir", str(run)])  # resumed since: metrics.jsonl's last line
+    out = capsys.readouterr().out
+    assert f"{run / 'summary.json'} is from step 100, but the run has trained to step 300 " \
+           f"since: figures from metrics.jsonl's last line\n" in out
+    assert f"training: 300 steps, 900 tokens/s, train loss 1.500, val loss 1.600 nats/char; " \
+           f"model in {run}\n" in out
+
+
 @pytest.mark.parametrize("started_with, resumed_with", [
     ({}, {"model": "tiny"}),
     ({}, {"tokenizer": "bpe"}),  # fault: trained on as char, recorded as bpe
