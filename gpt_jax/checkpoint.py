@@ -27,7 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 import jax
@@ -39,15 +39,21 @@ from gpt_jax.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer_file
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to a temporary file in the same directory, then rename it into place."""
+    """Write JSON to a temporary file in the same directory, then rename it into place. The
+    file gets the mode a plain open() gives (0o666 less the umask), like the run directory's
+    other files."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # Named here, not by tempfile.mkstemp, whose file is 0600: private to its owner.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "x") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def save_config(run_dir, config: GPTConfig) -> None:

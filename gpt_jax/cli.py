@@ -69,8 +69,15 @@ def demo_main(argv):
         print(f"previous run kept as {kept}")
     summary_path = run_dir / "summary.json"
     if summary_path.exists():
+        from training.report import read_metrics
+
         summary = json.loads(summary_path.read_text())
         print(f"reusing the trained model in {run_dir} (--retrain to train again)")
+        last = (read_metrics(run_dir) or [{"step": -1}])[-1]  # a line per checkpoint
+        if last["step"] > summary["steps"]:  # trained further since (gpt-jax train resumed)
+            print(f"{summary_path} is from step {summary['steps']}, but the run has trained "
+                  f"to step {last['step']} since: figures from metrics.jsonl's last line")
+            summary = {**last, "steps": last["step"]}
     else:
         from gpt_jax.checkpoint import write_json_atomic
         from training.train import split_host, train

@@ -32,7 +32,7 @@ from gpt_jax import checkpoint
 from gpt_jax.config import GPTConfig
 from gpt_jax.cache import cache_bytes, pages_for
 from gpt_jax.params import QUANTIZE
-from inference.engine import generate, init_cache_rows, pack, prefill, validate
+from inference.engine import CROP_HINT, generate, init_cache_rows, pack, prefill, validate
 from inference.llm import DTYPES, LLM
 from inference.sampling import CONTEXT_OVERFLOW, SamplingParams
 
@@ -101,6 +101,13 @@ def _bias(text: str) -> tuple[int, float]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected ID=BIAS such as 50256=-100, got {text!r}") from None
+
+
+def refusal(error: Exception) -> SystemExit:
+    """The CLI's one-line error for `error`, in flags: "crop" is --context-overflow crop."""
+    return SystemExit("gpt-jax generate: " + str(error).replace(
+        CROP_HINT, " (or --context-overflow crop to predict each token from the last "
+                   "max_seq_len)"))
 
 
 def sampling_from_args(args) -> SamplingParams:
@@ -259,7 +266,7 @@ def print_token_ids(llm: LLM, prompts: list[tuple[int, ...]], sampling: Sampling
     try:
         outputs = generate(llm.params, llm.config, [list(p) for p in prompts], sampling)
     except ValueError as error:
-        raise SystemExit(f"gpt-jax generate: {error}") from None
+        raise refusal(error) from None
     for out in outputs:
         print(",".join(map(str, out.tokens)))
 
@@ -267,6 +274,9 @@ def print_token_ids(llm: LLM, prompts: list[tuple[int, ...]], sampling: Sampling
 def main(argv=None):
     args = parse_args(argv)
     prompts = [p.replace("\\n", "\n") for p in (args.prompt or ["\n"])]
+    if not all(prompts):  # else validate's error names generate's bos_token_id, not a flag
+        raise SystemExit("gpt-jax generate: --prompt is empty; give a non-empty --prompt (the "
+                         "text the model continues), or no --prompt to start from a newline")
     try:
         sampling = sampling_from_args(args)  # every flag checked before loading
         llm = load_llm(args)
@@ -279,7 +289,7 @@ def main(argv=None):
         if not args.prompt_ids:
             validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling)
     except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"gpt-jax generate: {error}") from None
+        raise refusal(error) from None
     if args.prompt_ids:
         return print_token_ids(llm, args.prompt_ids, sampling)
     if args.json:

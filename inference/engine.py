@@ -64,6 +64,9 @@ CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk bound
 MIN_PROMPT_BUCKET = 16
 PAGE_SIZE = 16  # token slots per KV page, unless a caller chooses another
 FINISHED_IDS = 100_000  # finished request ids an Engine remembers (abort of one: no error)
+# Ends the message for a request that does not fit the context under "error" (the server,
+# whose requests cannot crop, and the CLI, whose flag is spelled otherwise, replace it).
+CROP_HINT = ' (or context_overflow="crop" to predict each token from the last max_seq_len)'
 
 
 # ----------------------------------------------------------------------------- model steps
@@ -511,7 +514,7 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
       ValueError: a token id that is not an integer or is outside [0, vocab_size); an empty
         prompt without a BOS id;
         under "error", a prompt length + max_new_tokens above config.max_seq_len (both
-        numbers named);
+        numbers named, and "crop" suggested);
         a stop_token_id, stop_sequences id or logit_bias id outside the vocabulary (the id
         and vocab_size named).
     """
@@ -549,7 +552,8 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
             raise ValueError(
                 f"prompt {index}: prompt length {len(prompt)} + max_new_tokens "
                 f"{sp.max_new_tokens} = {len(prompt) + sp.max_new_tokens} exceeds the "
-                f"model's max_seq_len {config.max_seq_len}"
+                f"model's max_seq_len {config.max_seq_len}; allowed: a sum of at most "
+                f"{config.max_seq_len}{CROP_HINT}"
             )
         out.append(prompt)
     return out, sampling

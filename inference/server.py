@@ -53,7 +53,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt_jax.cache import pages_for
-from inference.engine import Engine, RequestOutput, validate
+from inference.engine import CROP_HINT, Engine, RequestOutput, validate
 from inference.sampling import MAX_LOGPROBS, SamplingParams
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
@@ -520,7 +520,8 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
         try:
             validate(engine.config, prompts, sampling)
         except ValueError as error:
-            message = str(error).replace("max_new_tokens", "max_tokens")
+            message = str(error).replace(CROP_HINT, "").replace(  # no crop in the API
+                "max_new_tokens", "max_tokens")
             if "logit_bias" in message:
                 message = re.sub(r"^prompt \d+: ", "", message)
             raise APIError(400, message,

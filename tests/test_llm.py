@@ -235,7 +235,10 @@ def test_default_max_new_tokens_fits_the_models_context_under_error(llm, config,
     assert row["finish_reason"] == "length"
     assert len(row["tokens"]) == config.max_seq_len - len(PIECES.encode(PROMPT)) < 200
     full = PIECES.decode([5] * config.max_seq_len)  # no room left: an error, not 0 tokens
-    with pytest.raises(SystemExit, match=r"prompt length 128 \+ max_new_tokens 1 = 129 exceeds"):
+    with pytest.raises(SystemExit, match=r"^gpt-jax generate: prompt 0: prompt length 128 \+ "
+                       r"max_new_tokens 1 = 129 exceeds the model's max_seq_len 128; allowed: a "
+                       r"sum of at most 128 \(or --context-overflow crop to predict each token "
+                       r"from the last max_seq_len\)$"):  # the flag, not the Python field
         cli.main(["--prompt", full] + error)
     # crop, the CLI's default: 200 tokens whatever the prompt, past the context
     asked = []
@@ -255,7 +258,10 @@ def test_llm_crops_unless_a_request_says_otherwise(llm, monkeypatch):
         SamplingParams(max_new_tokens=500, context_overflow="crop")]))
     assert [sp.context_overflow for sp in added] == ["crop", "error", "crop"]
     assert llm_module.crop_by_default(None) == SamplingParams(context_overflow="crop")
-    with pytest.raises(ValueError, match=r"prompt length 2 \+ max_new_tokens 500 = 502 exceeds"):
+    with pytest.raises(ValueError, match=r"prompt length 2 \+ max_new_tokens 500 = 502 exceeds "
+                       r"the model's max_seq_len 128; allowed: a sum of at most 128 \(or "
+                       r"context_overflow=\"crop\" to predict each token from the last "
+                       r"max_seq_len\)$"):
         list(llm.stream([PROMPT], SamplingParams(max_new_tokens=500, context_overflow="error")))
 
 
@@ -266,6 +272,19 @@ def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
         cli.main(["--top-p", "1.5"])
     with pytest.raises(SystemExit):
         cli.main(["--top-q", "0.5"])  # unknown option: argparse exits
+
+
+def test_an_empty_prompt_is_refused_in_flags_before_loading(monkeypatch):
+    """Fault: `--prompt ""` was refused with advice to pass generate's bos_token_id, which the
+    CLI has no flag for."""
+    monkeypatch.setattr(cli.LLM, "from_checkpoint",
+                        lambda run_dir, dtype, quantize: pytest.fail("loaded"))
+    for argv in (["--prompt", ""], ["--prompt", "To be", "--prompt", ""]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == (
+            "gpt-jax generate: --prompt is empty; give a non-empty --prompt (the text the model "
+            "continues), or no --prompt to start from a newline")
 
 
 def test_an_eos_ending_keeps_the_eos_token_but_not_its_text(config, params, monkeypatch,

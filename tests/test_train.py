@@ -93,6 +93,18 @@ def test_run_dir_keeps_last_k_and_the_config(trained):
     assert TrainConfig(**saved) == dataclasses.replace(cfg, block_size=32)
 
 
+def test_json_files_get_the_mode_open_gives(tmp_path):
+    """Fault: config.json, summary.json ... were 0600 (tempfile.mkstemp) beside 0644 files."""
+    old = os.umask(0o022)
+    try:
+        checkpoint.write_json_atomic(tmp_path / "summary.json", {"step": 3})
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "summary.json").st_mode & 0o777 == 0o644
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"step": 3}
+    assert os.listdir(tmp_path) == ["summary.json"]  # no temporary file left
+
+
 def test_manager_keeps_the_last_k_and_the_best(tmp_path):
     mngr = checkpoint.manager(tmp_path, keep=2)
     params = {"w": jnp.ones((2, 3))}
@@ -536,6 +548,32 @@ def test_demo_asks_500_characters_per_speaker_in_one_batch_by_cropping(tmp_path,
     sampling = inference.cli.sampling_from_args(args)
     assert sampling.max_new_tokens == 500 and sampling.context_overflow == "crop"
     assert args.prompt == cli.DEMO_PROMPTS and args.run_dir == str(run)  # one call: one batch
+
+
+def test_demo_reports_training_done_since_its_summary(tmp_path, monkeypatch, capsys):
+    """Fault: after `gpt-jax train --run-dir RUN --max-steps N` resumed the demo's run, the
+    demo printed its old summary.json (old steps and losses) as the model's."""
+    import inference.cli
+    from gpt_jax import cli
+    from training.report import append_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(
+        {"steps": 100, "tokens_per_s": 1000.0, "train_loss": 2.0, "val_loss": 2.1}))
+    append_metrics(run, {"step": 100, "train_loss": 2.0, "val_loss": 2.1, "tokens_per_s": 1000.0})
+    monkeypatch.setattr(cli, "data_main", lambda argv: None)
+    monkeypatch.setattr(inference.cli, "main", lambda argv: None)
+    cli.demo_main(["--run-dir", str(run)])  # the summary is current: printed as it is
+    assert f"training: 100 steps, 1,000 tokens/s, train loss 2.000, val loss 2.100 nats/char; " \
+           f"model in {run}\n" in capsys.readouterr().out
+    append_metrics(run, {"step": 300, "train_loss": 1.5, "val_loss": 1.6, "tokens_per_s": 900.0})
+    cli.demo_main(["--run-dir", str(run)])  # resumed since: metrics.jsonl's last line
+    out = capsys.readouterr().out
+    assert f"{run / 'summary.json'} is from step 100, but the run has trained to step 300 " \
+           f"since: figures from metrics.jsonl's last line\n" in out
+    assert f"training: 300 steps, 900 tokens/s, train loss 1.500, val loss 1.600 nats/char; " \
+           f"model in {run}\n" in out
 
 
 @pytest.mark.parametrize("started_with, resumed_with", [
