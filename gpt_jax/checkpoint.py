@@ -38,22 +38,31 @@ from gpt_jax.config import GPTConfig
 from gpt_jax.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer_file
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to a temporary file in the same directory, then rename it into place. The
-    file gets the mode a plain open() gives (0o666 less the umask), like the run directory's
-    other files."""
+def write_atomic(path: str | os.PathLike, write) -> None:
+    """`write(temporary_path)` in `path`'s directory, then rename it to `path`: no half file
+    is ever at `path`, and the temporary one is removed if `write` fails. `write` creates the
+    file itself, so it gets the mode a plain open() gives (0o666 less the umask), like a run
+    directory's other files (a `tempfile.mkstemp` file is 0600, private to its owner)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Named here, not by tempfile.mkstemp, whose file is 0600: private to its owner.
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Write `obj` as JSON to `path` (`write_atomic`, flushed to disk before the rename),
+    making its directory if needed."""
+    def write(tmp):
         with open(tmp, "x") as f:
             json.dump(obj, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, write)
 
 
 def save_config(run_dir, config: GPTConfig) -> None:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt_jax.checkpoint import write_atomic
 from gpt_jax.config import GPTConfig
 from gpt_jax.model import Params
 from gpt_jax.tokenizer import BPETokenizer
@@ -253,14 +253,7 @@ def save_hf_gpt2(config: GPTConfig, params: Params, path: str | os.PathLike) -> 
         (SAFETENSORS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"})),
         ("config.json", lambda tmp: Path(tmp).write_text(json.dumps(_hf_config(config), indent=2))),
     ):
-        fd, tmp = tempfile.mkstemp(dir=path, prefix=name, suffix=".tmp")
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, path / name)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        write_atomic(path / name, write)
 
 
 def load_hf_eos_token_id(path: str | os.PathLike) -> int | None:

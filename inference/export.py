@@ -41,7 +41,6 @@ import argparse
 import dataclasses
 import json
 import os
-import secrets
 import shutil
 from pathlib import Path
 
@@ -49,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt_jax import cpu_attention
+from gpt_jax import checkpoint, cpu_attention
 from gpt_jax.config import GPTConfig
 from gpt_jax.model import decode_layout
 from gpt_jax.params import check_params, param_count
@@ -212,18 +211,6 @@ def describe(exported: jax.export.Exported, config: GPTConfig, *, program: str,
     }
 
 
-def _write_atomic(path: Path, write) -> None:
-    """`write(temporary_path)`, then rename it to `path`; no half file is ever at `path`.
-    The temporary file is made by `write` itself, so it gets the umask's permissions (a
-    `tempfile.mkstemp` file is private to its owner: not what an artifact to hand on wants)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _write_bytes(tmp: Path, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
@@ -252,11 +239,11 @@ def write_export(exported: jax.export.Exported, out, config: GPTConfig, *, eos_t
     Returns the description."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out, lambda tmp: _write_bytes(tmp, exported.serialize()))
+    checkpoint.write_atomic(out, lambda tmp: _write_bytes(tmp, exported.serialize()))
     copies = []
     for suffix, source_path in tokenizer.items():
         copy = out.with_name(f"{out.name}.{suffix}")
-        _write_atomic(copy, lambda tmp, s=source_path: shutil.copyfile(s, tmp))
+        checkpoint.write_atomic(copy, lambda tmp, s=source_path: shutil.copyfile(s, tmp))
         copies.append(copy.name)
     note = {"files": copies, "kind": tokenizer_kind,
             "how": TOKENIZER_HOW["char" if tokenizer_kind == "char" else
@@ -264,7 +251,7 @@ def write_export(exported: jax.export.Exported, out, config: GPTConfig, *, eos_t
             } if copies else None
     description = describe(exported, config, program=out.name, eos_token_id=eos_token_id,
                            source=source, dtype=dtype, tokenizer=note)
-    _write_atomic(out.with_name(f"{out.name}.json"),
+    checkpoint.write_atomic(out.with_name(f"{out.name}.json"),
                   lambda tmp: _write_bytes(tmp, json.dumps(description, indent=2).encode()))
     return description
 
