@@ -79,9 +79,15 @@ def demo_main(argv):
                   f"to step {last['step']} since: figures from metrics.jsonl's last line")
             summary = {**last, "steps": last["step"]}
     else:
-        from gpt_jax.checkpoint import write_json_atomic
-        from training.train import split_host, train
+        import dataclasses
 
+        from gpt_jax.checkpoint import write_json_atomic
+        from training.train import base_config, split_host, train
+
+        # A demo run stopped part-way resumes as it was started: max_steps as its time
+        # budget fitted them, so the schedule does not change under it.
+        cfg = dataclasses.replace(base_config(None, run_dir), run_dir=str(run_dir),
+                                  time_budget_s=args.train_seconds)
         split_host(cfg)
         summary = train(cfg)
         write_json_atomic(summary_path, summary)

@@ -576,6 +576,31 @@ def test_demo_reports_training_done_since_its_summary(tmp_path, monkeypatch, cap
            f"model in {run}\n" in out
 
 
+def test_a_stopped_demo_run_resumes_with_the_steps_its_budget_fitted(tmp_path, monkeypatch):
+    """Fault: `make demo` started again after a stop resumed with the preset's max_steps,
+    not the fewer that its time budget had fitted (train_config.json), so the learning-rate
+    schedule changed in the middle of the run. A new run dir still takes the preset."""
+    import inference.cli
+    from gpt_jax import cli
+    from training import train as train_module
+
+    seen = []
+    monkeypatch.setattr(cli, "data_main", lambda argv: None)
+    monkeypatch.setattr(inference.cli, "main", lambda argv: None)
+    monkeypatch.setattr(train_module, "split_host", lambda cfg: None)
+    monkeypatch.setattr(train_module, "train", lambda cfg: seen.append(cfg) or {
+        "steps": cfg.max_steps, "tokens_per_s": 1.0, "train_loss": 1.0, "val_loss": 1.0})
+    stopped, fresh = tmp_path / "stopped", tmp_path / "fresh"
+    fitted = dataclasses.replace(TrainConfig(), run_dir=str(stopped), max_steps=3210,
+                                 time_budget_s=450.0)
+    stopped.mkdir()
+    (stopped / "train_config.json").write_text(json.dumps(dataclasses.asdict(fitted)))
+    cli.demo_main(["--run-dir", str(stopped), "--train-seconds", "300"])
+    cli.demo_main(["--run-dir", str(fresh)])
+    assert [(c.run_dir, c.max_steps, c.time_budget_s) for c in seen] == [
+        (str(stopped), 3210, 300.0), (str(fresh), TrainConfig().max_steps, 450.0)]
+
+
 @pytest.mark.parametrize("started_with, resumed_with", [
     ({}, {"model": "tiny"}),
     ({}, {"tokenizer": "bpe"}),  # fault: trained on as char, recorded as bpe
