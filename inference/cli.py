@@ -159,8 +159,9 @@ def completions_json(prompts: list[str], sampling: SamplingParams, outputs) -> s
 
 
 def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) -> None:
-    """Time prefill alone and the whole generation (both compiled first), and print the
-    KV cache size of the batch with its formula (to `file`, default stdout)."""
+    """Time prefill alone and the whole generation of the batch again (both compiled first,
+    no progress bars), and print the KV cache size of the batch with its formula (to `file`,
+    default stdout)."""
     config = llm.config
     token_prompts, per_prompt = validate(config, [llm.tokenizer.encode(p) for p in prompts], sampling)
     batch = pack(config, token_prompts, per_prompt)
@@ -171,13 +172,14 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
         cache = init_cache_rows(config, B, S, llm.cache_dtype)
         return jax.block_until_ready(prefill(llm.params, config, tokens, lengths, cache))
 
+    print("timing: the same batch again, compiled first (texts not shown)", file=file)
     run_prefill()
     tick = time.perf_counter()
     run_prefill()
     prefill_s = time.perf_counter() - tick
-    llm.generate(prompts, sampling)  # compile
+    llm.generate(prompts, sampling, progress=False)  # compile
     tick = time.perf_counter()
-    outputs = llm.generate(prompts, sampling)
+    outputs = llm.generate(prompts, sampling, progress=False)
     total_s = time.perf_counter() - tick
     new_tokens = sum(len(o.tokens) for o in outputs)
     itemsize = np.dtype(llm.cache_dtype).itemsize

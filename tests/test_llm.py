@@ -320,6 +320,9 @@ def test_json_with_report_keeps_stdout_one_json_document(llm, monkeypatch, capsy
     cli.main(["--prompt", PROMPT, "--max-new-tokens", "4", "--json", "--report"])
     out, err = capsys.readouterr()
     assert len(json.loads(out)) == 1 and "KV cache:" in err and "decode:" in err
+    # Fault: the timing runs drew two more unlabelled progress bars, as if generating again
+    timing = err.split("timing: the same batch again, compiled first (texts not shown)\n")[1]
+    assert "completion" not in timing and timing.startswith("prefill: ")
 
 
 def test_bad_logit_bias_and_min_tokens_flags_are_named(llm, monkeypatch, capsys):

@@ -211,6 +211,8 @@ def test_the_time_budget_covers_the_whole_run(trained, corpus, tmp_path):
     assert wall <= budget + slack, f"a {budget} s budget took {wall:.1f} s"
     rows = report.read_metrics(cfg.run_dir)
     assert rows[-1]["step"] == summary["steps"] < cfg.max_steps  # the budget stopped it...
+    # one train loss for one step (a new user saw the last step's in the summary)
+    assert summary["train_loss"] == rows[-1]["train_loss"] == np.mean(rows[-1]["train_losses"])
     assert max(checkpoint.manager(cfg.run_dir).all_steps()) == summary["steps"]  # ...saved
     assert rows[-1]["elapsed_s"] < budget  # counted from the start of the run
     # Not far too early: the run keeps room for one more step and two evaluations +
@@ -527,7 +529,19 @@ def test_demo_refuses_a_bad_budget_before_touching_the_previous_run(tmp_path):
     (run / "summary.json").write_text("{}")
     with pytest.raises(SystemExit, match="demo: TrainConfig.time_budget_s must be >= 0, got -1"):
         cli.demo_main(["--run-dir", str(run), "--retrain", "--train-seconds", "-1"])
+    # Fault: NaN passed the `< 0` check and crashed the budget's fit after training began
+    with pytest.raises(SystemExit, match=r"^demo: TrainConfig.time_budget_s must be a finite "
+                                         r"number, got nan$"):
+        cli.demo_main(["--run-dir", str(run), "--retrain", "--train-seconds", "nan"])
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # not renamed away
+
+
+@pytest.mark.parametrize("name, value", [("time_budget_s", math.nan), ("time_budget_s", math.inf),
+                                         ("learning_rate", math.inf), ("weight_decay", math.nan)])
+def test_non_finite_numbers_are_refused_by_name(name, value):
+    with pytest.raises(ValueError, match=rf"^TrainConfig.{name} must be a finite number, "
+                                         rf"got {value}$"):
+        TrainConfig(**{name: value})
 
 
 def test_demo_asks_500_characters_per_speaker_in_one_batch_by_cropping(tmp_path, monkeypatch):
@@ -635,6 +649,11 @@ def test_resuming_a_finished_run_says_so_and_its_summary_is_json(trained, tmp_pa
     assert f"{run_dir} is at step 300, max_steps 300: nothing to train" in out
     assert summary["steps"] == 300 and summary["train_loss"] is None
     json.dumps(summary, allow_nan=False)  # raises ValueError on NaN
+    # Fault: a max_steps below the run's step trained nothing but replaced the saved config
+    saved = (run_dir / "train_config.json").read_text()
+    T.train(dataclasses.replace(cfg, run_dir=str(run_dir), max_steps=200))
+    assert "is at step 300, max_steps 200: nothing to train" in capsys.readouterr().out
+    assert (run_dir / "train_config.json").read_text() == saved
 
 
 def test_the_mfu_peak_is_the_fastest_matmul_not_the_mean(monkeypatch):

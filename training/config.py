@@ -8,6 +8,7 @@ help. The model's shape is a `GPTConfig` preset named by `model` (gpt_jax/config
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,10 @@ class TrainConfig:
     peak_flops: float = 0.0  # device peak FLOP/s for the MFU estimate; 0 = measure a matmul
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"TrainConfig.{f.name} must be a finite number, got {value}")
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches",
                     "keep_checkpoints", "learning_rate")
         for name in positive:

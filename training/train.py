@@ -149,7 +149,8 @@ def start_or_resume(cfg, config, tokenizer, state: TrainState, mngr):
             checkpoint.save_config(run_dir, config)
             checkpoint.save_tokenizer(run_dir, tokenizer)
         step, elapsed = 0, 0.0
-    if primary:  # rewritten on resume too: what a later `--run-dir DIR` alone resumes with
+    if primary and step < cfg.max_steps:  # rewritten on resume too: what a later
+        # `--run-dir DIR` alone resumes with (not by a max_steps that trains nothing)
         checkpoint.write_json_atomic(run_dir / "train_config.json", dataclasses.asdict(cfg))
     return state, step, elapsed
 
@@ -389,9 +390,11 @@ class Loop:
         samples and plots). Timed: the budget keeps room for one more."""
         tick = time.perf_counter()
         elapsed = self.elapsed0 + tick - self.started
-        self.evals = evaluate(state.params, self.config, self.cfg, self.batches, self.mesh)
-        record = {"step": self.step, "train_loss": float(np.mean(self.losses)),
-                  **self.evals, "elapsed_s": elapsed, "tokens_per_s": self.tokens_per_s(),
+        # train_loss: the mean since the last line, in the summary too (not the last step's)
+        self.evals = {"train_loss": float(np.mean(self.losses)),
+                      **evaluate(state.params, self.config, self.cfg, self.batches, self.mesh)}
+        record = {"step": self.step, **self.evals, "elapsed_s": elapsed,
+                  "tokens_per_s": self.tokens_per_s(),
                   "train_losses": self.losses,  # every step's loss since the last line
                   "step_seconds": self.step_times}  # and its wall time (the first compiles)
         self.losses, self.step_times = [], []
@@ -410,9 +413,10 @@ class Loop:
         self.finish_s = time.perf_counter() - tick
 
     def summary(self) -> dict[str, Any]:
-        # no step run (a finished run resumed): null, not NaN, which JSON does not allow
-        loss = None if math.isnan(self.loss) else self.loss
-        return {"steps": self.step, "train_loss": loss, **self.evals,
+        """steps, the last evaluation's train_loss (the mean over the steps since the one
+        before, as metrics.jsonl logs it) and val losses, train_seconds, tokens_per_s; with
+        no step run (a finished run resumed), train_loss is null, not NaN (not JSON)."""
+        return {"steps": self.step, "train_loss": None, **self.evals,
                 "train_seconds": self.train_seconds, "tokens_per_s": self.tokens_per_s()}
 
 
