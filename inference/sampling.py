@@ -398,6 +398,18 @@ def row_keys(seed_B, prompt_hash_B, sample_index_B, step_B):
                          jnp.broadcast_to(step_B, seed_B.shape))
 
 
+def greedy_tokens(logits_BV: jax.Array) -> jax.Array:
+    """int32 [B]: each row's first index of its largest logit, `jnp.argmax`'s choice, as
+    two plain reductions (a max, then a min over the indices that reach it): XLA:CPU
+    vectorizes those, not argmax's value-and-index reduction (gpt2's [8, 50257] logits:
+    0.34-0.42 ms against 0.99-1.09). `sample` maps NaN to -inf before it; a NaN row
+    would give V - 1, still a token."""
+    V = logits_BV.shape[-1]
+    index_BV = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, 1)
+    top_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(logits_BV == top_B1, index_BV, V - 1), axis=-1)
+
+
 def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, step, pad_id=0):
     """Choose one token per row. Returns int32 `[B]`.
 
@@ -427,7 +439,7 @@ def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, st
         lambda x: x,
         logits_BV,
     )
-    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    greedy_B = greedy_tokens(logits_BV)
     sampled_rows_B = rows.temperature > 0
 
     def draw(logits_BV):

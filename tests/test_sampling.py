@@ -15,10 +15,22 @@ from gpt_jax import forward
 from inference import engine, generate
 from inference.sampling import (
     SamplingArrays, SamplingParams, apply_penalties, apply_temperature, filter_logits,
-    min_p_keep, prompt_hash, prompt_hashes, sample, top_p_keep,
+    greedy_tokens, min_p_keep, prompt_hash, prompt_hashes, sample, top_p_keep,
 )
 
 DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def test_greedy_tokens_is_argmax_first_index_ties_and_minus_inf_included():
+    """The two-reduction greedy pick equals jnp.argmax: the first index among ties, -inf
+    entries (banned tokens) and a row of only -inf (index 0, as argmax)."""
+    rng = np.random.default_rng(0)
+    logits = rng.integers(-3, 4, size=(64, 50)).astype(np.float32)  # many ties
+    logits[rng.random(logits.shape) < 0.3] = -np.inf
+    logits[5] = -np.inf
+    logits[6] = rng.standard_normal(50)
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_tokens)(logits)),
+                                  np.argmax(logits, axis=-1))
 
 
 def arrays(*params, seeds=None):
