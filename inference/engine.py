@@ -548,6 +548,12 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
                              f"alternatives than the vocabulary has; allowed: [0, {V}]")
         if sp.overflow("error") == "crop":
             prompt = prompt[-config.max_seq_len:]
+        elif len(prompt) >= config.max_seq_len:  # whatever max_new_tokens: say so
+            raise ValueError(
+                f"prompt {index}: prompt length {len(prompt)} leaves no room for a new token "
+                f"in the model's max_seq_len {config.max_seq_len}; allowed: prompt length + "
+                f"max_new_tokens {sp.max_new_tokens} at most {config.max_seq_len}{CROP_HINT}"
+            )
         elif len(prompt) + sp.max_new_tokens > config.max_seq_len:
             raise ValueError(
                 f"prompt {index}: prompt length {len(prompt)} + max_new_tokens "

@@ -120,8 +120,14 @@ def test_error_refuses_what_outgrows_the_context_with_the_exact_message(small):
         with pytest.raises(ValueError, match=r"^prompt 0: prompt length 10 \+ max_new_tokens 7 "
                                              r"= 17 exceeds the model's max_seq_len 16" + hint):
             generate(params, config, [list(range(10))], sp)
-        with pytest.raises(ValueError, match=r"^request 'a': prompt length 20 \+ max_new_tokens "
-                                             r"7 = 27 exceeds the model's max_seq_len 16" + hint):
+        with pytest.raises(ValueError, match=r"^request 'a': prompt length 12 \+ max_new_tokens "
+                                             r"7 = 19 exceeds the model's max_seq_len 16" + hint):
+            Engine(params, config, max_slots=1).add_request("a", list(range(12)), sp)
+        # a prompt that alone fills the context is named as such (max_new_tokens aside)
+        with pytest.raises(ValueError, match=r"^request 'a': prompt length 20 leaves no room for "
+                                             r"a new token in the model's max_seq_len 16; "
+                                             r"allowed: prompt length \+ max_new_tokens 7 at "
+                                             r"most 16 \(or context_overflow"):
             Engine(params, config, max_slots=1).add_request("a", list(range(20)), sp)
     # under crop the page budget is max_seq_len tokens: 4 pages of 4 take any length
     engine = Engine(params, config, max_slots=1, num_pages=4, page_size=4)
