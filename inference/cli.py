@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -103,9 +104,23 @@ def _bias(text: str) -> tuple[int, float]:
             f"expected ID=BIAS such as 50256=-100, got {text!r}") from None
 
 
+# The flag that sets each SamplingParams field (`sampling_from_args`): errors name the flag.
+FIELD_FLAGS = {
+    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty", "seed": "--seed",
+    "max_new_tokens": "--max-new-tokens", "stop_token_ids": "--stop-token-id", "stop": "--stop",
+    "stop_sequences": "--stop-sequence", "logprobs": "--logprobs", "n": "--n",
+    "min_tokens": "--min-tokens", "logit_bias": "--logit-bias",
+    "context_overflow": "--context-overflow",
+}
+
+
 def refusal(error: Exception) -> SystemExit:
-    """The CLI's one-line error for `error`, in flags: "crop" is --context-overflow crop."""
-    return SystemExit("gpt-jax generate: " + str(error).replace(
+    """The CLI's one-line error for `error`, in flags: `SamplingParams.top_p=2.0` is
+    `--top-p=2.0`, and "crop" is --context-overflow crop."""
+    text = re.sub(r"SamplingParams\.(\w+)", lambda m: FIELD_FLAGS.get(m[1], m[0]), str(error))
+    return SystemExit("gpt-jax generate: " + text.replace(
         CROP_HINT, " (or --context-overflow crop to predict each token from the last "
                    "max_seq_len)"))
 

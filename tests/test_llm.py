@@ -269,8 +269,15 @@ def test_llm_crops_unless_a_request_says_otherwise(llm, monkeypatch):
 def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
     monkeypatch.setattr(cli.LLM, "from_checkpoint",
                         lambda run_dir, dtype, quantize: pytest.fail("loaded"))
-    with pytest.raises(SystemExit, match=r"SamplingParams.top_p=1.5 is out of range; allowed: \[0, 1\]"):
+    # in flags (a new user met SamplingParams' field names, which the CLI does not have)
+    with pytest.raises(SystemExit, match=r"^gpt-jax generate: --top-p=1.5 is out of range; "
+                                         r"allowed: \[0, 1\]$"):
         cli.main(["--top-p", "1.5"])
+    with pytest.raises(SystemExit, match=r"^gpt-jax generate: --max-new-tokens=-1 is out of "
+                                         r"range"):
+        cli.main(["--max-new-tokens", "-1"])
+    with pytest.raises(SystemExit, match=r"^gpt-jax generate: --stop-token-id="):
+        cli.main(["--stop-token-id", "-3"])
     with pytest.raises(SystemExit):
         cli.main(["--top-q", "0.5"])  # unknown option: argparse exits
 
