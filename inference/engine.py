@@ -58,10 +58,10 @@ from gpt_jax.model import Params, decode_layout, forward_last, lm_head, transfor
 from gpt_jax.params import check_params, inference_params
 from inference import stopping
 from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, prompt_hash, sample
-from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
+from inference.scheduler import (MIN_PROMPT_BUCKET, PrefillWork, Scheduler, Sequence,
+                                 Status, bucket)
 
 CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk boundaries
-MIN_PROMPT_BUCKET = 16
 PAGE_SIZE = 16  # token slots per KV page, unless a caller chooses another
 FINISHED_IDS = 100_000  # finished request ids an Engine remembers (abort of one: no error)
 # Ends the message for a request that does not fit the context under "error" (the server,
@@ -1029,25 +1029,18 @@ class Engine:
         if self.requests:
             raise RuntimeError("warm the Engine up before adding requests")
         before = sum(compile_counts().values())
-        budget, V, M = self.scheduler.max_prefill_tokens, self.config.vocab_size, \
-            self.state.recent.shape[1]
+        V, M = self.config.vocab_size, self.state.recent.shape[1]
         rows, stops = self._row_arrays()
         table = jnp.asarray(self.scheduler.page_table)
-        T = MIN_PROMPT_BUCKET
-        longest = min(budget, self.scheduler.prefill_chunk_tokens)  # a row's most tokens
-        while T <= bucket(longest, MIN_PROMPT_BUCKET):
-            R = 1
-            while R <= bucket(self.max_slots) and (R == 1 or R * T <= max(budget, T)):
-                zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
-                batch = PrefillBatch(*map(jnp.asarray, (
-                    zeros(R, T), zeros(R), zeros(R), np.full(R, self.max_slots, np.int32),
-                    zeros(R, dtype=bool), zeros(R), np.full((R, M), stopping.BEFORE_START, np.int32),
-                    zeros(R, self.config.max_seq_len), zeros(R, V, dtype=bool),
-                    zeros(R, V))))  # padding rows: no effect
-                self.state = engine_prefill(self.params, self.config, self.state, table, batch,
-                                            rows, stops, pad_id=0)
-                R *= 2
-            T *= 2
+        zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+        for R, T in self.scheduler.prefill_shapes():
+            batch = PrefillBatch(*map(jnp.asarray, (
+                zeros(R, T), zeros(R), zeros(R), np.full(R, self.max_slots, np.int32),
+                zeros(R, dtype=bool), zeros(R), np.full((R, M), stopping.BEFORE_START, np.int32),
+                zeros(R, self.config.max_seq_len), zeros(R, V, dtype=bool),
+                zeros(R, V))))  # padding rows: no effect
+            self.state = engine_prefill(self.params, self.config, self.state, table, batch,
+                                        rows, stops, pad_id=0)
         live = jnp.zeros((self.max_slots,), bool)
         for n_rows in sorted({decode_rows(k, self.max_slots)
                               for k in range(1, self.max_slots + 1)}):

@@ -24,6 +24,8 @@ import numpy as np
 from gpt_jax.cache import NO_PAGE, pages_for
 from inference.sampling import SamplingParams
 
+MIN_PROMPT_BUCKET = 16  # the shortest padded prompt length of a prefill call
+
 
 def page_hashes(tokens: list[int], page_size: int) -> list[bytes]:
     """The prefix-cache key of each full page of `tokens`: a digest of the page's tokens and
@@ -205,30 +207,48 @@ class Scheduler:
                 if key not in self.pool.page_of:
                     self.pending.setdefault(key, seq)
 
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every `(rows, T)` a prefill call can take, the shapes `Engine.warmup` compiles: T a
+        power of two from 16 up to the bucket of a row's most tokens (min of
+        `max_prefill_tokens` and `prefill_chunk_tokens`), rows a power of two up to the
+        bucket of max_slots with rows x T at most `max_prefill_tokens` (or one row); by T,
+        then rows, ascending."""
+        budget = self.max_prefill_tokens
+        longest = bucket(min(budget, self.prefill_chunk_tokens), MIN_PROMPT_BUCKET)
+        shapes, T = [], MIN_PROMPT_BUCKET
+        while T <= longest:
+            rows = 1
+            while rows <= bucket(self.max_slots) and (rows == 1 or rows * T <= budget):
+                shapes.append((rows, T))
+                rows *= 2
+            T *= 2
+        return shapes
+
     def prefill_work(self) -> list[PrefillWork]:
         """Chunks of the prefilling sequences for one prefill call, in admission order. The
-        call's shape is `[rows, T]`: T a power of two from 16, rows a power of two, rows x T
-        at most `max_prefill_tokens` (or one row; the shapes `Engine.warmup` compiles), each
-        row one sequence's next chunk of at most T and `prefill_chunk_tokens` tokens (vLLM's
-        long_prefill_token_threshold: a long prompt goes in small chunks, each stalling the
-        running requests briefly, while short ones share the call). Of those shapes, the one
-        that puts the most prompt tokens through is chosen (on a tie, the longer T: the first
-        prompts complete sooner); a row's padding costs as much as a token, so several
-        prompts' chunks, not one prompt padded to the bucket above it, fill the call."""
+        call takes one of `prefill_shapes()`, each row one sequence's next chunk of at most T
+        and `prefill_chunk_tokens` tokens (vLLM's long_prefill_token_threshold: a long prompt
+        goes in small chunks, each stalling the running requests briefly, while short ones
+        share the call). For each T the rows are the fewest that hold every prefilling
+        sequence, or the most the budget allows; of those shapes, the one that puts the most
+        prompt tokens through is chosen (on a tie, the longer T: the first prompts complete
+        sooner). A row's padding costs as much as a token, so several prompts' chunks, not
+        one prompt padded to the bucket above it, fill the call."""
         seqs = [s for s in self.active if s.status == Status.PREFILLING]
-        budget, chunk, best = self.max_prefill_tokens, self.prefill_chunk_tokens, (0, [])
-        T = 16
-        while T <= bucket(min(budget, chunk), 16) and seqs:
-            rows = 1
-            while 2 * rows * T <= budget and rows < len(seqs):
-                rows *= 2
-            work = [PrefillWork(s, s.prefilled,
-                                min(len(s.target) - s.prefilled, T, budget, chunk))
+        if not seqs:
+            return []
+        rows_by_T: dict[int, int] = {}
+        for rows, T in self.prefill_shapes():  # ascending rows: stop at the first that holds all
+            if rows_by_T.get(T, 0) < len(seqs):
+                rows_by_T[T] = rows
+        best = (0, [])
+        for T, rows in rows_by_T.items():
+            n_max = min(T, self.max_prefill_tokens, self.prefill_chunk_tokens)
+            work = [PrefillWork(s, s.prefilled, min(len(s.target) - s.prefilled, n_max))
                     for s in seqs[:rows]]
             tokens = sum(w.n for w in work)
             if tokens >= best[0]:
                 best = (tokens, work)
-            T *= 2
         return best[1]
 
     def prefilled(self, work: list[PrefillWork]) -> None:
