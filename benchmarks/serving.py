@@ -305,6 +305,7 @@ def main(argv=None) -> None:
     if args.scenario in scenarios:
         return scenarios[args.scenario](args, params, config)
     static = ours_static(params, config)
+    hf = None if args.no_hf else transformers_static(params, config)  # loaded once
     rows = []
     for rate in args.rates:
         requests = workload(args, config, rate, args.seed)
@@ -322,8 +323,8 @@ def main(argv=None) -> None:
         for name, results in rounds.items():
             rows.append({"engine": name, "rate": rate, "rounds": len(results),
                          **{k: float(np.median([r[k] for r in results])) for k in results[0]}})
-        if not args.no_hf:  # one round: it compiles nothing, and it is slow
-            times = run_static(transformers_static(params, config), requests, args.max_slots)
+        if hf:  # one round: it compiles nothing, and it is slow
+            times = run_static(hf, requests, args.max_slots)
             rows.append({"engine": "static (transformers)", "rate": rate, "rounds": 1,
                          **figures(requests, times)})
         base = next(r for r in rows if r["rate"] == rate and r["engine"] == "static (generate)")
