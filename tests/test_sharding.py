@@ -35,6 +35,10 @@ def test_four_device_step_and_generate_match_one_device():
         assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
         assert r["finite"], r
     assert results["sharded_params"]["param_shards"] == N_DEVICES
+    # data parallelism averages the gradients as one flat array: one all-reduce of one buffer
+    # (XLA:CPU runs a tuple all-reduce as one rendezvous per array), the loss riding in it
+    n_params = sum(int(np.prod(s)) for s in results["param_shapes"])
+    assert results["data_parallel"]["all_reduces"] == [f"f32[{n_params + 1}]"]
     assert results["single_tokens"] == results["sharded_tokens"]
     assert len(set(results["single_tokens"][0])) >= 5  # lively, so a mismatch would show
     # a run saved from the 4-device mesh (params sharded) loads in this one-device process,
@@ -57,8 +61,10 @@ def _max_diff(a, b):
 
 
 def _step(mesh, shard_params, config, cfg, x, y):
-    """One train step on `mesh`: `(loss, params, devices holding x, distinct wte shards)`."""
+    """One train step on `mesh`: `(loss, params, devices holding x, distinct wte shards,
+    the shapes its compiled program all-reduces)`."""
     import dataclasses
+    import re
 
     import jax
 
@@ -69,9 +75,13 @@ def _step(mesh, shard_params, config, cfg, x, y):
     state, shardings = step.init_state(cfg, config, optimizer, mesh)
     train_step = step.make_train_step(config, optimizer, shardings=shardings)
     xs, ys = sharding.put_batch(x, mesh, 1), sharding.put_batch(y, mesh, 1)
+    hlo = train_step.lower(state, xs, ys).compile().as_text()
+    all_reduces = [re.sub(r"\{[^}]*\}", "", shape)  # layouts dropped
+                   for shape in re.findall(r"= (.+?) all-reduce\(", hlo)]
     state, loss = train_step(state, xs, ys)
     wte_shards = len({str(s.index) for s in state.params["wte"].addressable_shards})
-    return float(loss), jax.device_get(state.params), len(xs.sharding.device_set), wte_shards
+    return (float(loss), jax.device_get(state.params), len(xs.sharding.device_set), wte_shards,
+            all_reduces)
 
 
 def main():
@@ -90,13 +100,15 @@ def main():
     x = rng.integers(0, config.vocab_size, (2, 8, 32)).astype(np.int32)  # [A, B, T]
     y = np.roll(x, -1, axis=2)
     one, four = sharding.make_mesh(1), sharding.make_mesh(N_DEVICES)
-    loss1, params1, _, _ = _step(one, False, config, cfg, x, y)
-    results = {"devices": len(jax.devices())}
+    loss1, params1, _, _, _ = _step(one, False, config, cfg, x, y)
+    results = {"devices": len(jax.devices()),
+               "param_shapes": [p.shape for p in jax.tree.leaves(params1)]}
     for mode, shard in (("data_parallel", False), ("sharded_params", True)):
-        loss4, params4, batch_devices, param_shards = _step(four, shard, config, cfg, x, y)
+        loss4, params4, batch_devices, param_shards, all_reduces = _step(
+            four, shard, config, cfg, x, y)
         results[mode] = {"loss_diff": abs(loss4 - loss1), "param_diff": _max_diff(params4, params1),
                          "batch_devices": batch_devices, "param_shards": param_shards,
-                         "finite": bool(np.isfinite(loss4))}
+                         "finite": bool(np.isfinite(loss4)), "all_reduces": all_reduces}
     params = lively_params(config)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24)

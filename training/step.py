@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.flatten_util import ravel_pytree
+from jax.sharding import PartitionSpec as P
 
 from gpt_jax.config import GPTConfig
 from gpt_jax.model import forward, unstack_layers
@@ -99,23 +101,55 @@ def make_train_step(config: GPTConfig, optimizer, compute_dtype=jnp.float32,
     x_ABT, y_ABT hold A micro-batches; their gradients are averaged (a `lax.scan`, so memory
     stays one micro-batch) before one optimizer update. `shardings` (from `init_state`) pins
     the new state to the old one's layout on a mesh.
+
+    With replicated params on a mesh of several devices (plain data parallelism) each device
+    takes the gradients of its own part of the batch and the devices average them as ONE
+    flat array (`mean_over_devices`). Left to XLA's partitioner, the gradients cross in one
+    all-reduce of a tuple of ~60 arrays, which XLA:CPU runs as one rendezvous per array:
+    3.4 ms of a ~40 ms nanogpt-cpu step on 2 devices, against ~0.3 ms flat.
     """
     grad_fn = jax.value_and_grad(loss_fn)
 
-    def train_step(state: TrainState, x_ABT, y_ABT):
+    def mean_grads(params, x_ABT, y_ABT):
         def micro(acc, xy):
-            loss, grads = grad_fn(state.params, config, *xy, compute_dtype)
+            loss, grads = grad_fn(params, config, *xy, compute_dtype)
             return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
-        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
         total, _ = jax.lax.scan(micro, zero, (x_ABT, y_ABT))
-        loss, grads = jax.tree.map(lambda t: t / x_ABT.shape[0], total)
+        return jax.tree.map(lambda t: t / x_ABT.shape[0], total)
+
+    mesh = None if shardings is None else jax.tree.leaves(shardings.params)[0].mesh
+    if mesh is not None and mesh.devices.size > 1 and all(
+            s.is_fully_replicated for s in jax.tree.leaves(shardings.params)):
+        mean_grads = mean_over_devices(mean_grads, mesh)
+
+    def train_step(state: TrainState, x_ABT, y_ABT):
+        loss, grads = mean_grads(state.params, x_ABT, y_ABT)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return state.replace(params=params, opt_state=opt_state), loss
 
     out_shardings = None if shardings is None else (shardings, None)
     return jax.jit(train_step, donate_argnames="state", out_shardings=out_shardings)
+
+
+def mean_over_devices(mean_grads, mesh):
+    """`mean_grads(params, x_ABT, y_ABT) -> (loss, grads)` run on each device of `mesh` for
+    its slice of the batch (axis 1), the results averaged over the devices as one flat
+    float32 array (one `lax.pmean`). Params must be replicated.
+
+    The shard_map skips JAX's check that values replicated on entry stay so (`check_vma`):
+    `gpt_jax.model._matmul`'s hand-written backward gives each device its own weight
+    gradients, which that check refuses for replicated weights, and they are averaged over
+    the devices right after."""
+    def local(params, x_ABT, y_ABT):
+        flat, unravel = ravel_pytree(mean_grads(params, x_ABT, y_ABT))
+        return unravel(jax.lax.pmean(flat, sharding.DATA))
+
+    batch = P(None, sharding.DATA)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch, batch), out_specs=P(),
+                         check_vma=False)
 
 
 _eval_loss = jax.jit(loss_fn, static_argnums=(1, 4))  # one cache for every run in a process
