@@ -449,6 +449,54 @@ def test_split_host_picks_devices_that_divide_the_batch(monkeypatch, cpu_devices
     assert calls == ([] if expected is None else [expected])
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a glibc tunable")
+def test_training_restarts_itself_with_huge_pages_once(tmp_path):
+    (tmp_path / "probe_env.py").write_text(
+        "import os, sys; print(os.environ['GLIBC_TUNABLES'], sys.argv[1:])")
+    code = ("from gpt_jax.cli import restart_with_huge_pages as r; "
+            "r('probe_env', ['--max-steps', '3']); print('not restarted')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(T.__file__).parents[1]),
+                                                        str(tmp_path)])}
+
+    def run(tunables):
+        return subprocess.run([sys.executable, "-c", code], env={**env, "GLIBC_TUNABLES": tunables},
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+
+    # the same process, restarted as `python -m MODULE ARGS` with the tunable added to the rest
+    assert run("glibc.pthread.rseq=1") == \
+        "glibc.pthread.rseq=1:glibc.malloc.hugetlb=1 ['--max-steps', '3']"
+    assert run("") == "glibc.malloc.hugetlb=1 ['--max-steps', '3']"
+    assert run("glibc.malloc.hugetlb=0") == "not restarted"  # the user's setting stands
+
+
+@pytest.mark.parametrize("argv, restarts", [
+    (["train", "--preset", "tiny"], True), (["demo"], True),
+    (["generate", "--run-dir", "x"], False), (["--help"], False), ([], False),
+])
+def test_gpt_jax_restarts_only_training_commands(monkeypatch, argv, restarts):
+    from gpt_jax import cli
+
+    class Restarted(Exception):
+        pass
+
+    def execve(path, args, env):
+        raise Restarted(args[1:])
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.setattr(sys, "argv", ["gpt-jax", *argv])
+    if restarts:
+        with pytest.raises(Restarted) as restart:
+            cli.main()
+        assert restart.value.args[0] == ["-m", "gpt_jax.cli", *argv]
+    else:
+        try:
+            cli.main()
+        except (SystemExit, FileNotFoundError, ValueError):
+            pass  # "generate --run-dir x" fails on the missing run: after no restart
+
+
 def test_split_host_cpu_refuses_once_jax_has_started():
     jax.numpy.zeros(1).block_until_ready()
     with pytest.raises(RuntimeError, match="jax_num_cpu_devices config should be updated "

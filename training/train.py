@@ -537,4 +537,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from gpt_jax.cli import restart_with_huge_pages
+
+    restart_with_huge_pages("training.train", sys.argv[1:])
     main()
