@@ -4,6 +4,7 @@ Usage:
   python benchmarks/train_vs_torch.py                 # 5 rounds of 20 steps each, 2 threads
   python benchmarks/train_vs_torch.py --rounds 3 --steps 10 --out benchmarks/results/x.json
   python benchmarks/train_vs_torch.py --model gpt2 --batch 4 --block 256 --rounds 3 --steps 2
+  python benchmarks/train_vs_torch.py --model gpt2 --batch 4 --block 256 --jax-devices 1
 
 Both sides train the same shape (by default nanogpt-cpu: 4 layers, 4 heads, d_model 128,
 block 64, batch 12, vocab 65; `--model` names another GPTConfig preset, `--batch` and
@@ -12,16 +13,22 @@ weight decay 0.1), global-norm clipping at 1.0 and no dropout, on the same rando
 batches. PyTorch runs
 `transformers.GPT2LMHeadModel` in eager mode with `torch.set_num_threads(threads)`; JAX runs
 our jitted, donated train step as `python -m training.train` does: the host split into
-`threads` CPU devices (`TrainConfig.cpu_devices`), the batch data-parallel over them. The
-two alternate in rounds, so a busy machine slows both alike; the table reports tokens/s per
-round and the ratio of the medians. Compilation and warm-up steps are not timed.
+`threads` CPU devices (`TrainConfig.cpu_devices`; `--jax-devices` another count), the batch
+data-parallel over them. Each side runs in its own worker process (this script with
+`--worker`, told over stdin how many steps to run; it answers with the seconds): in one
+process the two slowed each other (gpt2 shape: ours 136-146 tokens/s beside torch, 168-178
+alone). The two alternate in rounds, so a busy machine slows both alike; the table reports
+tokens/s per round and the ratio of the medians. Compilation and warm-up steps are not timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,19 +102,11 @@ def torch_runner(batches, threads, model):
     return run
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20, help="train steps per side per round")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="PyTorch intra-op threads, and our CPU devices")
-    parser.add_argument("--model", default="nanogpt-cpu", help="GPTConfig preset")
-    parser.add_argument("--batch", type=int, default=12)
-    parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--out", default="",
-                        help="default: benchmarks/results/train_vs_torch[-MODEL].json")
-    args = parser.parse_args(argv)
+RUNNERS = {"jax (ours)": "jax", "pytorch (GPT2LMHeadModel)": "torch"}
+
+
+def make_batches(args) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Eight random `(x, y)` batches of `[batch, block]` token ids (the same in both workers)."""
     from gpt_jax.config import GPTConfig
 
     vocab = GPTConfig.preset(args.model).vocab_size
@@ -116,16 +115,77 @@ def main(argv=None):
     for _ in range(8):
         data = rng.integers(0, vocab, (args.batch, args.block + 1)).astype(np.int32)
         batches.append((data[:, :-1], data[:, 1:]))
+    return batches
+
+
+def worker(args) -> None:
+    """Build one side's runner (compiled, warmed up), say "ready", then for each line `n` on
+    stdin run n steps and print their seconds."""
+    batches = make_batches(args)
+    run = jax_runner(batches, args.jax_devices or args.threads, args.model) \
+        if args.worker == "jax" else torch_runner(batches, args.threads, args.model)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        tick = time.perf_counter()
+        run(int(line))
+        print(time.perf_counter() - tick, flush=True)
+
+
+def start_worker(side: str, argv: list[str]) -> subprocess.Popen:
+    """A worker process for `side` ("jax" or "torch"), once it is ready. Both run with the
+    huge-pages malloc setting `gpt-jax train` gives itself (`restart_with_huge_pages`), so
+    neither pays 4 KiB page faults the other does not."""
+    from gpt_jax.cli import HUGE_PAGES
+
+    tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES]))
+    proc = subprocess.Popen([sys.executable, __file__, *argv, "--worker", side],
+                            env={**os.environ, "GLIBC_TUNABLES": tunables},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        raise SystemExit(f"the {side} worker failed to start (exit status {proc.wait()})")
+    return proc
+
+
+def timed_steps(proc: subprocess.Popen, steps: int) -> float:
+    """Seconds the worker took for `steps` train steps."""
+    proc.stdin.write(f"{steps}\n")
+    proc.stdin.flush()
+    return float(proc.stdout.readline())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="train steps per side per round")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="PyTorch intra-op threads, and our CPU devices")
+    parser.add_argument("--jax-devices", type=int, default=0,
+                        help="our CPU devices, if not --threads (1: one program, its "
+                             "matmuls threaded by XLA)")
+    parser.add_argument("--model", default="nanogpt-cpu", help="GPTConfig preset")
+    parser.add_argument("--batch", type=int, default=12)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--out", default="",
+                        help="default: benchmarks/results/train_vs_torch[-MODEL].json")
+    parser.add_argument("--worker", choices=sorted(RUNNERS.values()), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    from gpt_jax.config import GPTConfig
+
+    vocab = GPTConfig.preset(args.model).vocab_size
     tokens = args.steps * args.batch * args.block
-    runners = {"jax (ours)": jax_runner(batches, args.threads, args.model),
-               "pytorch (GPT2LMHeadModel)": torch_runner(batches, args.threads, args.model)}
-    rates = {name: [] for name in runners}
+    argv = sys.argv[1:] if argv is None else list(argv)
+    workers = {name: start_worker(side, argv) for name, side in RUNNERS.items()}
+    rates = {name: [] for name in workers}
     for r in range(args.rounds):
-        for name, run in runners.items():
-            tick = time.perf_counter()
-            run(args.steps)
-            rates[name].append(tokens / (time.perf_counter() - tick))
+        for name, proc in workers.items():
+            rates[name].append(tokens / timed_steps(proc, args.steps))
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:,.0f} tok/s" for n, v in rates.items()))
+    for proc in workers.values():
+        proc.stdin.close()
+        proc.wait()
     medians = {name: statistics.median(v) for name, v in rates.items()}
     ours, theirs = medians.values()
     # On a shared machine PyTorch's spinning threads collapse under load while XLA's degrade
@@ -134,7 +194,7 @@ def main(argv=None):
     shape = GPTConfig.preset(args.model)
     result = {"shape": f"{args.model}: L{shape.n_layers} N{shape.n_heads} D{shape.d_model} "
                        f"T{args.block} B{args.batch} V{vocab}", "threads": args.threads,
-              "jax_devices": len(__import__("jax").devices()),
+              "jax_devices": args.jax_devices or args.threads,
               "steps_per_round": args.steps, "tokens_per_s_by_round": rates,
               "ratio_by_round": ratios, "median_tokens_per_s": medians,
               "median_step_s": {name: args.batch * args.block / v
