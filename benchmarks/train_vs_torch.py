@@ -131,15 +131,16 @@ def worker(args) -> None:
         print(time.perf_counter() - tick, flush=True)
 
 
-def start_worker(side: str, argv: list[str]) -> subprocess.Popen:
-    """A worker process for `side` ("jax" or "torch"), once it is ready. Both run with the
-    huge-pages malloc setting `gpt-jax train` gives itself (`restart_with_huge_pages`), so
-    neither pays 4 KiB page faults the other does not."""
+def start_worker(side: str, argv: list[str], huge_pages: bool) -> subprocess.Popen:
+    """A worker process for `side` ("jax" or "torch"), once it is ready. With `huge_pages`
+    (a model `python -m training.train` restarts with them for: `large_buffers`) both sides
+    get that malloc setting, so neither pays 4 KiB page faults the other does not."""
     from gpt_jax.cli import HUGE_PAGES
 
-    tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES]))
-    proc = subprocess.Popen([sys.executable, __file__, *argv, "--worker", side],
-                            env={**os.environ, "GLIBC_TUNABLES": tunables},
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGE_PAGES]))} \
+        if huge_pages else None
+    proc = subprocess.Popen([sys.executable, __file__, *argv, "--worker", side], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
         raise SystemExit(f"the {side} worker failed to start (exit status {proc.wait()})")
@@ -177,7 +178,11 @@ def main(argv=None):
     vocab = GPTConfig.preset(args.model).vocab_size
     tokens = args.steps * args.batch * args.block
     argv = sys.argv[1:] if argv is None else list(argv)
-    workers = {name: start_worker(side, argv) for name, side in RUNNERS.items()}
+    from training.config import TrainConfig
+    from training.train import large_buffers
+
+    huge_pages = large_buffers(TrainConfig.preset("nanogpt-cpu", model=args.model))
+    workers = {name: start_worker(side, argv, huge_pages) for name, side in RUNNERS.items()}
     rates = {name: [] for name in workers}
     for r in range(args.rounds):
         for name, proc in workers.items():
@@ -193,7 +198,7 @@ def main(argv=None):
     ratios = [a / b for a, b in zip(*rates.values())]
     shape = GPTConfig.preset(args.model)
     result = {"shape": f"{args.model}: L{shape.n_layers} N{shape.n_heads} D{shape.d_model} "
-                       f"T{args.block} B{args.batch} V{vocab}", "threads": args.threads,
+                       f"T{args.block} B{args.batch} V{vocab}", "threads": args.threads, "huge_pages": huge_pages,
               "jax_devices": args.jax_devices or args.threads,
               "steps_per_round": args.steps, "tokens_per_s_by_round": rates,
               "ratio_by_round": ratios, "median_tokens_per_s": medians,

@@ -116,12 +116,10 @@ def restart_with_huge_pages(module: str, argv: list[str]) -> None:
     glibc's malloc asking the kernel for transparent huge pages (`GLIBC_TUNABLES` +=
     `glibc.malloc.hugetlb=1`, glibc 2.35 and later), unless the variable already names that
     tunable or this is not Linux. Call it before any work: nothing after it runs twice.
+    Other C libraries ignore the variable.
 
-    Why: XLA:CPU allocates a step's buffers afresh each step, glibc serves the large ones
-    with mmap, and the kernel maps those in on first touch 4 KiB at a time. Training the
-    gpt2 shape (batch 4 x 256 tokens, 2 devices) took 616k page faults and 1.3 s of system
-    time per 6.3-6.5 s step; with huge pages 2.2k and 0.27 s, steps of 5.3-5.75 s
-    (alternated runs, benchmarks/README.md). Other C libraries ignore the variable.
+    What for: `training.train` restarts so when its buffers are large (`large_buffers`);
+    see there for the measurements.
     """
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if not sys.platform.startswith("linux") or "glibc.malloc.hugetlb" in tunables:
@@ -155,10 +153,7 @@ def bench_main(argv):
 
 
 def main(argv=None):
-    if argv is None:  # a process of its own: training gets huge pages
-        argv = sys.argv[1:]
-        if argv and argv[0] in ("train", "demo"):
-            restart_with_huge_pages("gpt_jax.cli", argv)
+    own_process, argv = argv is None, sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
@@ -168,7 +163,7 @@ def main(argv=None):
     elif command == "train":
         from training.train import main as train_main
 
-        train_main(rest)
+        train_main(rest, own_process=own_process)
     elif command == "generate":
         from inference.cli import main as generate_main
 

@@ -1,4 +1,5 @@
 import os
+import socket
 
 # XLA:CPU compile options for the whole suite (and the subprocesses it starts, which inherit
 # the environment), set before JAX starts its backend. The suite's time is mostly XLA
@@ -51,6 +52,13 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def lively_params(config, seed=5, scale=6.0):

@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import TEST_XLA_FLAGS, assert_close
+from conftest import TEST_XLA_FLAGS, assert_close, free_port
 from gpt_jax import checkpoint
 from test_train import synthetic_corpus
 from training import distributed, report
@@ -37,12 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 20, 5
 HEARTBEAT_S = 10  # a silent process is declared dead after this (JAX's default is 100)
 SURVIVOR_EXIT_S = HEARTBEAT_S + 20  # the bound on the survivor's exit after a SIGKILL
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

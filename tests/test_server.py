@@ -24,6 +24,7 @@ import openai
 import pytest
 import uvicorn
 
+from conftest import free_port
 from gpt_jax import checkpoint
 from gpt_jax.tokenizer import CharTokenizer
 from inference import LLM, Engine, SamplingParams
@@ -32,12 +33,6 @@ from inference.server import ServerConfig, create_app
 KEY = "test-key"
 SLOTS = 8  # the server's and the reference LLM's: the same shapes, compiled once
 TOKENIZER = CharTokenizer([chr(ord("0") + i) for i in range(64)])  # "0".."o": 64 characters
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -469,32 +469,42 @@ def test_training_restarts_itself_with_huge_pages_once(tmp_path):
     assert run("glibc.malloc.hugetlb=0") == "not restarted"  # the user's setting stands
 
 
-@pytest.mark.parametrize("argv, restarts", [
-    (["train", "--preset", "tiny"], True), (["demo"], True),
-    (["generate", "--run-dir", "x"], False), (["--help"], False), ([], False),
-])
-def test_gpt_jax_restarts_only_training_commands(monkeypatch, argv, restarts):
+def test_only_a_large_model_run_of_its_own_restarts_with_huge_pages(monkeypatch):
     from gpt_jax import cli
 
     class Restarted(Exception):
         pass
 
-    def execve(path, args, env):
-        raise Restarted(args[1:])
+    class Proceeded(Exception):
+        pass
 
+    def execve(path, args, env):
+        raise Restarted(args[1:], env["GLIBC_TUNABLES"])
+
+    def split_host(*args):
+        raise Proceeded
+
+    assert T.large_buffers(TrainConfig.preset("nanogpt-cpu", model="gpt2"))  # 113 MB MLP
+    for preset in ("tiny", "nanogpt-cpu", "shakespeare-char"):
+        assert not T.large_buffers(TrainConfig.preset(preset)), preset
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.setattr(os, "execve", execve)
-    monkeypatch.setattr(sys, "argv", ["gpt-jax", *argv])
-    if restarts:
-        with pytest.raises(Restarted) as restart:
-            cli.main()
-        assert restart.value.args[0] == ["-m", "gpt_jax.cli", *argv]
-    else:
-        try:
-            cli.main()
-        except (SystemExit, FileNotFoundError, ValueError):
-            pass  # "generate --run-dir x" fails on the missing run: after no restart
+    monkeypatch.setattr(T, "split_host", split_host)  # where the run would start
+    argv = ["--preset", "nanogpt-cpu", "--model", "gpt2"]
+    with pytest.raises(Restarted) as restart:
+        T.main(argv, own_process=True)
+    assert restart.value.args == (["-m", "training.train", *argv], "glibc.malloc.hugetlb=1")
+    with pytest.raises(Proceeded):  # called from Python: never restarts
+        T.main(argv)
+    with pytest.raises(Proceeded):  # a small model: no restart
+        T.main(["--preset", "nanogpt-cpu"], own_process=True)
+    calls = []  # `gpt-jax train` is a process of its own; cli.main([...]) is not
+    monkeypatch.setattr(T, "main", lambda argv, own_process: calls.append(own_process))
+    monkeypatch.setattr(sys, "argv", ["gpt-jax", "train", *argv])
+    cli.main()
+    cli.main(["train", *argv])
+    assert calls == [True, False]
 
 
 def test_split_host_cpu_refuses_once_jax_has_started():
