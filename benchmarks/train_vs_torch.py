@@ -143,7 +143,9 @@ def start_worker(side: str, argv: list[str], huge_pages: bool) -> subprocess.Pop
     proc = subprocess.Popen([sys.executable, __file__, *argv, "--worker", side], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
-        raise SystemExit(f"the {side} worker failed to start (exit status {proc.wait()})")
+        hint = " (is torch installed? `pip install torch==2.13.0 transformers`, torch first " \
+            "and alone, as the Makefile does: else pip takes a CUDA build)" if side == "torch" else ""
+        raise SystemExit(f"the {side} worker failed to start (exit status {proc.wait()}){hint}")
     return proc
 
 

@@ -426,8 +426,10 @@ def test_boolean_flags_take_a_value_in_any_case():
 
 
 def test_command_line_input_errors_are_one_line():
-    with pytest.raises(SystemExit, match=r"^train: TrainConfig.grad_accum must be > 0, got 0$"):
+    with pytest.raises(SystemExit, match=r"^train: --grad-accum must be > 0, got 0$"):
         T.main(["--preset", "tiny", "--grad-accum", "0"])
+    with pytest.raises(SystemExit, match=r"^train: --max-steps must be > 0, got -1$"):
+        T.main(["--preset", "tiny", "--max-steps", "-1"])
 
 
 @pytest.mark.parametrize("cpu_devices, cores, xla_flags, expected", [

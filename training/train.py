@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -553,7 +554,10 @@ def main(argv=None, own_process: bool = False):
     except distributed.RunAborted as error:  # the others may be gone: leave without them
         distributed.exit_now(f"train: {error}")
     except (ValueError, FileNotFoundError, distributed.DistributedError) as error:
-        raise SystemExit(f"train: {error}") from None  # bad input: a one-line error
+        # bad input: a one-line error, naming the flag (TrainConfig.max_steps: --max-steps)
+        flags = re.sub(r"\bTrainConfig\.(\w+)",
+                       lambda m: "--" + m.group(1).replace("_", "-"), str(error))
+        raise SystemExit(f"train: {flags}") from None
     if distributed.is_primary():
         print(json.dumps(summary, indent=2))
 
