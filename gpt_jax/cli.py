@@ -152,6 +152,20 @@ def bench_main(argv):
     return 0
 
 
+def closed_pipe_is_quiet(main_fn):
+    """`main_fn` wrapped so that a reader closing stdout early (`gpt-jax train --help |
+    head`) ends the command with status 1 and no traceback: stdout is pointed at /dev/null
+    so the interpreter's last flush does not raise again (as Python's signal docs advise)."""
+    def run(*args, **kwargs):
+        try:
+            return main_fn(*args, **kwargs)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+    return run
+
+
+@closed_pipe_is_quiet
 def main(argv=None):
     own_process, argv = argv is None, sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):

@@ -425,6 +425,19 @@ def test_boolean_flags_take_a_value_in_any_case():
             TrainConfig.preset("tiny", shard_params=expected), value
 
 
+@pytest.mark.parametrize("command", [["gpt_jax.cli", "train"], ["training.train"]])
+def test_help_into_a_closed_pipe_ends_without_a_traceback(command):
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # as `| head` after its lines: every write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", *command, "--help"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120,
+                              cwd=Path(T.__file__).parents[1])
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (1, "")
+
+
 def test_command_line_input_errors_are_one_line():
     with pytest.raises(SystemExit, match=r"^train: --grad-accum must be > 0, got 0$"):
         T.main(["--preset", "tiny", "--grad-accum", "0"])

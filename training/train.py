@@ -38,7 +38,7 @@ import tyro
 from tqdm import tqdm
 
 from gpt_jax import checkpoint
-from gpt_jax.cli import restart_with_huge_pages
+from gpt_jax.cli import closed_pipe_is_quiet, restart_with_huge_pages
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import param_count
 from gpt_jax.tokenizer import BPETokenizer, CharTokenizer
@@ -563,4 +563,4 @@ def main(argv=None, own_process: bool = False):
 
 
 if __name__ == "__main__":
-    main(own_process=True)
+    sys.exit(closed_pipe_is_quiet(main)(own_process=True))
