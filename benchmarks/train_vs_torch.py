@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -135,11 +134,9 @@ def start_worker(side: str, argv: list[str], huge_pages: bool) -> subprocess.Pop
     """A worker process for `side` ("jax" or "torch"), once it is ready. With `huge_pages`
     (a model `python -m training.train` restarts with them for: `large_buffers`) both sides
     get that malloc setting, so neither pays 4 KiB page faults the other does not."""
-    from gpt_jax.cli import HUGE_PAGES
+    from gpt_jax.cli import huge_pages_environ
 
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGE_PAGES]))} \
-        if huge_pages else None
+    env = huge_pages_environ() if huge_pages else None
     proc = subprocess.Popen([sys.executable, __file__, *argv, "--worker", side], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":

@@ -121,12 +121,18 @@ def restart_with_huge_pages(module: str, argv: list[str]) -> None:
     What for: `training.train` restarts so when its buffers are large (`large_buffers`);
     see there for the measurements.
     """
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if not sys.platform.startswith("linux") or "glibc.malloc.hugetlb" in tunables:
+    if not sys.platform.startswith("linux") or \
+            "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
         return
-    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGE_PAGES]))}
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], huge_pages_environ())
+
+
+def huge_pages_environ() -> dict[str, str]:
+    """This process's environment with `HUGE_PAGES` added to `GLIBC_TUNABLES` (after any
+    tunables already there)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGE_PAGES]))}
 
 
 SPEED_BENCHMARKS = ("throughput", "live-length", "roofline", "ttft", "compiles")
