@@ -168,23 +168,44 @@ void rows_by_panel_pair(const float* x, const int8_t* w, const float* scale, int
   }
 }
 
+// Vector registers the compiler may use: 32 with AVX-512VL (which also encodes eight-float
+// operations on registers 16-31), else AVX2's 16.
+#if defined(__AVX512VL__)
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
+// Panels per task are a multiple of this, so a task's panels split into whole pairs and
+// whole triples (see `panels`).
+constexpr int64_t kPanelGroup = 6;
+
 // Panels [p0, p1) for every row. With a dozen rows or more (a prefill), pairs of panels by
 // six rows: twelve accumulators, each widened weight vector serving six multiply-adds, ran
 // at 190 GFLOP/s on 2 cores here (the FMA peak) against 163 for one panel by eight rows;
-// the rows left over by the same pair of panels (`rows_by_panel_pair`). So too with six to
-// eleven rows (a batch-8 decode step) whose inputs overflow the L1 cache: eight rows of
-// 3072 inputs (the MLP's second matrix) ran at 87 GFLOP/s on one core as six and two rows
-// by pairs of panels, 74 panel by panel (`rows_by_panel`: eight rows' inputs from L2 per
-// weight vector); of 768 inputs, 80-85 panel by panel, 2-4% above the pairs. Fewer rows (a
-// batch-1 decode step), and a last odd panel, panel by panel.
+// the rows left over by the same pair of panels (`rows_by_panel_pair`). Eight to eleven
+// rows (a batch-8 decode step) with 32 vector registers: three panels by eight rows
+// (24 accumulators; each broadcast input serves three multiply-adds, each widened weight
+// vector eight), on one Zen 4 core 91-95 GFLOP/s against 76-93 panel by panel for 768
+// inputs and 103 against 100 for 3072 (pairs of panels by six rows, then by two). Without
+// them, six to eleven rows whose inputs overflow the L1 cache take pairs of panels: eight
+// rows of 3072 inputs (the MLP's second matrix) ran at 87 GFLOP/s on one core as six and
+// two rows by pairs of panels, 74 panel by panel (`rows_by_panel`: eight rows' inputs from
+// L2 per weight vector); of 768 inputs, 80-85 panel by panel, 2-4% above the pairs. Fewer
+// rows (a batch-1 decode step), and the panels left over, panel by panel.
 void panels(const float* x, const int8_t* w, const float* scale, int64_t M, int64_t I,
             int64_t O, int64_t p0, int64_t p1, float* y) {
   // Rows in blocks whose inputs stay in L2 (~256 KB) while this task's panels stream by.
   const int64_t block = std::max<int64_t>(12, 65536 / std::max<int64_t>(I, 1) / 6 * 6);
   for (int64_t b0 = 0; b0 < M; b0 += block) {
-    const int64_t b1 = std::min(M, b0 + block);
+    const int64_t b1 = std::min(M, b0 + block), rows = b1 - b0;
     int64_t p = p0;
-    if (b1 - b0 >= 12 || (b1 - b0 >= 6 && (b1 - b0) * I * 4 > kL1Bytes)) {
+    if (kVectorRegisters >= 32 && rows >= 8 && rows < 12) {
+      for (; p + 3 <= p1; p += 3) {
+        rows_by_panels<3, 8, 1>(x, w, scale, I, O, b0, p, y);
+        for (int64_t q = p; q < p + 3; ++q) rows_by_panel(x, w, scale, I, O, b0 + 8, b1, q, y);
+      }
+    } else if (rows >= 12 || (rows >= 6 && rows * I * 4 > kL1Bytes)) {
       for (; p + 2 <= p1; p += 2) {
         int64_t r = b0;
         for (; r + 6 <= b1; r += 6) rows_by_panels<2, 6, 1>(x, w, scale, I, O, r, p, y);
@@ -242,7 +263,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   for (auto& m : matrices) panels_in_all += m.P;
   int64_t per_task = std::max<int64_t>(
       1, panels_in_all / (kTasksPerThread * std::max<int64_t>(1, pool.num_threads())));
-  per_task += per_task % 2;  // whole pairs of panels (see `panels`)
+  per_task = (per_task + kPanelGroup - 1) / kPanelGroup * kPanelGroup;
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (matrix, first panel)
   for (size_t k = 0; k < matrices.size(); ++k)
     for (int64_t p = 0; p < matrices[k].P; p += per_task) tasks.emplace_back(k, p);

@@ -83,6 +83,9 @@ def _quantized(O, I):
     (1, 37, 29), (3, 37, 29), (8, 37, 29), (13, 37, 29),  # 1 row, a partial tile, a full one
     (15, 37, 29), (17, 37, 29),  # pairs of panels by six rows and the 3 or 5 left over
     (8, 1100, 40),  # 8 rows whose inputs overflow L1: by pairs of panels, 6 rows and 2
+    # (or, with 32 vector registers, by triples of panels and 8 rows: then also 11 rows,
+    # 3 of them left over, and 25 panels, one of them left over)
+    (11, 64, 96), (10, 64, 200),
     (1, 64, 96), (13, 64, 96), (40, 64, 96),  # 40: pairs of panels by six rows, and the rest
     (1, 96, 50257), (8, 96, 50257),  # GPT-2's vocabulary: 6283 panels, the last one partial
 ])
