@@ -416,8 +416,10 @@ class Loop:
 
     def summary(self) -> dict[str, Any]:
         """steps, the last evaluation's train_loss (the mean over the steps since the one
-        before, as metrics.jsonl logs it) and val losses, train_seconds, tokens_per_s; with
-        no step run (a finished run resumed), train_loss is null, not NaN (not JSON)."""
+        before, as metrics.jsonl logs it) and val losses, train_seconds (the wall time of
+        the steps run, those that compile left out: not setup, evaluations or checkpoints)
+        and tokens_per_s (over those same steps); with no step run (a finished run
+        resumed), train_loss is null, not NaN (not JSON)."""
         return {"steps": self.step, "train_loss": None, **self.evals,
                 "train_seconds": self.train_seconds, "tokens_per_s": self.tokens_per_s()}
 
