@@ -274,6 +274,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_out(out: Path) -> None:
+    """Raise ValueError, before any work, when the files could not be written at `out`: it
+    is a directory, or its nearest existing parent is not a directory this process may
+    write in (write_export creates the folders below that)."""
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; allowed: a file path (its "
+                         "description and tokenizer go beside it)")
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, not a directory; allowed: a "
+                         "path under a writable directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: the directory {parent} is not writable; allowed: a "
+                         "path under a writable directory")
+
+
 def main(argv=None):
     """`gpt-jax export`: check every flag (sizes, platforms, the model's context) before
     loading the weights, then export and write. Bad input exits with a one-line message."""
@@ -283,9 +301,7 @@ def main(argv=None):
     platforms = tuple(args.platforms.split(",")) if args.platforms else \
         (jax.default_backend(),)
     try:
-        if Path(args.out).is_dir():
-            raise ValueError(f"--out {args.out} is a directory; allowed: a file path (its "
-                             "description and tokenizer go beside it)")
+        check_out(Path(args.out))
         config = load_config(args)  # the config alone: shapes are checked before the weights
         check_shape(config, args.batch, args.prompt_len, args.max_new_tokens, platforms)
         params, config, tokenizer, eos_token_id = load_model(args)
@@ -296,10 +312,13 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"gpt-jax export: {error}") from None
     source = args.hf_checkpoint or args.run_dir
-    description = write_export(exported, args.out, config, eos_token_id=eos_token_id,
-                               source=str(source), dtype=args.dtype,
-                               tokenizer=tokenizer_files(args),
-                               tokenizer_kind=getattr(tokenizer, "kind", None))
+    try:
+        description = write_export(exported, args.out, config, eos_token_id=eos_token_id,
+                                   source=str(source), dtype=args.dtype,
+                                   tokenizer=tokenizer_files(args),
+                                   tokenizer_kind=getattr(tokenizer, "kind", None))
+    except OSError as error:  # each file is written atomically: none is left half-written
+        raise SystemExit(f"gpt-jax export: cannot write --out {args.out}: {error}") from None
     size = Path(args.out).stat().st_size
     print(f"wrote {args.out} ({size:,} bytes; {param_count(params):,} parameters, "
           f"{args.dtype}) and {args.out}.json: batch {args.batch}, prompt_len "

@@ -284,6 +284,11 @@ BAD_FLAGS = [
                                  r"of cpu, cuda, rocm, tpu, each once"),
     (["--platforms", "cpu,cpu"], r"platforms='cpu,cpu' is not allowed"),
     (["--out", "."], r"--out \S+ is a directory; allowed: a file path"),
+    # a file where a folder of the path must go (found by a new user: a traceback, and only
+    # after the export had run)
+    (["--out", "config.json/sub/out.jaxexport"],
+     r"--out \S+: \S+/config.json is a file, not a directory; allowed: a path under a "
+     r"writable directory"),
 ]
 
 
@@ -323,6 +328,23 @@ def test_a_failed_write_leaves_no_file(tmp_path, config):
     with pytest.raises(OSError, match="disk full"):
         export.write_export(Failing(), out, config, eos_token_id=None, source="test",
                             dtype="float32", tokenizer={})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_that_fails_after_the_export_is_one_line_and_leaves_no_file(
+        exported, tmp_path, monkeypatch, capsys):
+    """Fault (found by a new user): a path the checks cannot foresee as unwritable (under
+    /proc, a full disk) ended the command in an OSError traceback."""
+    def refuse(path, write):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(checkpoint, "write_atomic", refuse)
+    out = tmp_path / "out.jaxexport"
+    with pytest.raises(SystemExit, match=rf"^gpt-jax export: cannot write --out {out}: "
+                                         r"\[Errno 30\] Read-only file system"):
+        gpt_jax_cli.main(["export", "--run-dir", str(exported["folder"] / "char-run"),
+                          "--out", str(out), "--batch", "1", "--prompt-len", "4",
+                          "--max-new-tokens", "4"])
     assert list(tmp_path.iterdir()) == []
 
 
