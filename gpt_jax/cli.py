@@ -146,6 +146,10 @@ def bench_main(argv):
     folder = Path(__file__).resolve().parent.parent / "benchmarks"
     scripts = sorted(p.stem for p in folder.glob("*.py")) if folder.is_dir() else []
     names = list(SPEED_BENCHMARKS) + [s for s in scripts if s != "speed"]
+    if argv[:1] in (["-h"], ["--help"]) and names:
+        print(f"usage: gpt-jax bench NAME [flags]; NAME one of {', '.join(names)}; "
+              "gpt-jax bench NAME --help for its flags (benchmarks/README.md)")
+        return 0
     if not argv or argv[0] not in names:
         got = repr(argv[0]) if argv else "nothing"
         print(f"gpt-jax bench: got {got}; choose one of {', '.join(names)} "
@@ -154,7 +158,17 @@ def bench_main(argv):
     name, rest = argv[0], argv[1:]
     script, args = (("speed", [name] + rest) if name in SPEED_BENCHMARKS else (name, rest))
     sys.argv = [f"gpt-jax bench {name}"] + args
-    runpy.run_path(str(folder / f"{script}.py"), run_name="__main__")
+    path = folder / f"{script}.py"
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except ModuleNotFoundError as error:
+        if error.name not in ("torch", "transformers"):
+            raise
+        skip = "; or pass --no-hf to leave transformers out" if "--no-hf" in \
+            path.read_text() else ""
+        print(f"gpt-jax bench {name}: needs {error.name}, which `make test` installs (or `pip "
+              f"install torch==2.13.0 transformers`, torch first){skip}", file=sys.stderr)
+        return 1
     return 0
 
 
