@@ -93,7 +93,9 @@ def demo_main(argv):
         summary = train(cfg)
         write_json_atomic(summary_path, summary)
     phases["train"] = time.perf_counter() - tick
-    print(f"training: {summary['steps']} steps, {summary['tokens_per_s']:,.0f} tokens/s, "
+    cut = summary.get("max_steps", summary["steps"]) > summary["steps"]  # the budget ended it
+    steps = f"{summary['steps']} of {summary['max_steps']}" if cut else summary["steps"]
+    print(f"training: {steps} steps, {summary['tokens_per_s']:,.0f} tokens/s, "
           f"train loss {summary['train_loss']:.3f}, val loss {summary['val_loss']:.3f} "
           f"nats/char; model in {run_dir}")
 

@@ -256,6 +256,41 @@ def test_a_time_budget_ends_the_learning_rate_schedule_with_the_run(corpus, tmp_
     print(f"{budget} s budget: max_steps fitted to {fitted}, ran {steps}")
 
 
+def test_a_run_that_slows_down_fits_its_schedule_again(corpus, tmp_path, monkeypatch, capsys):
+    """Fault (found by two new users): the fit measured the warmup's steps only, so a machine
+    that got busier later stopped `make demo` at 73% and 84% of its fitted schedule. Now
+    max_steps is fitted again after each evaluation when the steps have slowed. Here every
+    step after the first fit takes 20 ms more: the run is fitted again, records the last
+    fit (train_config.json, the summary) and ends at or near it, not a fraction of the way."""
+    calls = [0]
+    make_train_step = T.make_train_step
+
+    def slowing(*args, **kwargs):
+        step = make_train_step(*args, **kwargs)
+
+        def slow_step(*step_args):
+            calls[0] += 1
+            if calls[0] > T.FIT_STEPS + 1:  # past the first fit (at step FIT_STEPS)
+                time.sleep(0.02)
+            return step(*step_args)
+
+        return slow_step
+
+    monkeypatch.setattr(T, "make_train_step", slowing)
+    cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
+                             max_steps=100_000, warmup_steps=T.FIT_STEPS, eval_interval=25,
+                             time_budget_s=8.0)
+    summary = T.train(cfg)
+    fits = [(int(a), int(b)) for a, b in
+            re.findall(r"max_steps (\d+) -> (\d+)", capsys.readouterr().out)]
+    assert len(fits) >= 2 and fits[0][0] == cfg.max_steps, fits  # the first fit, then more
+    final = json.loads((tmp_path / "run" / "train_config.json").read_text())["max_steps"]
+    assert summary["max_steps"] == final == fits[-1][1] < fits[0][1], (fits, summary)
+    # Without the later fits the run stopped at 138 of the first fit's 234 steps (59%).
+    assert 0.8 * final <= summary["steps"] <= final, (fits, summary)
+    print(f"fits {fits}, ran {summary['steps']}")
+
+
 def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(corpus, tmp_path):
     steps, every = 40, 4
     killed_dir, reference_dir = tmp_path / "killed", tmp_path / "reference"

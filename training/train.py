@@ -20,6 +20,7 @@ uninterrupted run would have seen. Several processes (hosts) train one model thr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -49,8 +50,10 @@ from training.step import TrainState, evaluate, init_state, make_optimizer, make
 
 # With a time budget, max_steps is fitted to it after the first FIT_STEPS steps (or at the end
 # of the warmup, if sooner and at least FIT_MIN_STEPS measured), each step expected to take
-# FIT_MARGIN longer than measured: `Loop.fit_to_budget`.
-FIT_STEPS, FIT_MIN_STEPS, FIT_MARGIN = 50, 5, 0.05
+# FIT_MARGIN longer than the median of the last FIT_STEPS measured, and fitted again at each
+# evaluation after that when the steps have slowed by more than REFIT_SLACK (each fit
+# compiles the step again): `Loop.fit_to_budget`.
+FIT_STEPS, FIT_MIN_STEPS, FIT_MARGIN, REFIT_SLACK = 50, 5, 0.05, 0.02
 
 
 def split_host(cfg: TrainConfig, processes: int = 1) -> None:
@@ -226,7 +229,8 @@ class Loop:
         self.started = started  # perf_counter() when the run began: the budget counts from it
         self.step_s = 0.0  # the last step's wall time, a step that compiles left out
         self.finish_s = 0.0  # the last evaluation + checkpoint's: what ending the run takes
-        self.first_step_s, self.fit_times = 0.0, []  # the compiling step; the next ones'
+        # the compiling step's wall time; the last FIT_STEPS others'
+        self.first_step_s, self.fit_times = 0.0, collections.deque(maxlen=FIT_STEPS)
         self.compile_step = None  # the step that compiles: the first, and the first after a fit
 
     def run(self, make_step, state: TrainState, start, on_eval) -> TrainState:
@@ -249,7 +253,8 @@ class Loop:
         while step < self.cfg.max_steps:
             try:
                 state, stop = self.one_step(train_step, state, step, start, bar, on_eval)
-                if not stop and self.step == fit_at and self.fit_to_budget(bar):
+                if not stop and self.fit_due(fit_at) and self.fit_to_budget(
+                        bar, first=self.step == fit_at):
                     train_step = make_step(self.cfg)
             except Exception as error:
                 if jax.process_count() == 1:
@@ -268,15 +273,25 @@ class Loop:
         bar.close()
         return state
 
-    def fit_to_budget(self, bar) -> bool:
+    def fit_due(self, fit_at: int | None) -> bool:
+        """Whether to fit max_steps to the budget after this step: at `fit_at` (None: no
+        budget, or too short a warmup to measure in), then after each evaluation."""
+        return fit_at is not None and (self.step == fit_at or (
+            self.step > fit_at and self.step % self.cfg.eval_interval == 0))
+
+    def fit_to_budget(self, bar, first: bool) -> bool:
         """Lower `max_steps` to the steps the time budget still holds, so that the cosine
         schedule ends with the run instead of the budget cutting it off at a high learning
         rate (a budget-aware schedule: Li, Yumer & Ramanan 2020, "Budgeted Training").
-        Called once, inside the warmup, whose learning rates do not depend on max_steps: the
-        run then equals one started with the lower max_steps (same batches, same updates),
-        and train_config.json records it, so a resumed run keeps it. Each step is expected to
-        take the median of those measured so far plus `FIT_MARGIN`, each evaluation as long
-        as the last, the recompile as long as the first step. Returns whether it changed."""
+        First called inside the warmup, whose learning rates do not depend on max_steps: the
+        run then equals one started with the lower max_steps (same batches, same updates).
+        Called again after each evaluation, it lowers max_steps once more when the steps
+        have slowed (a machine that got busier): the rest of the cosine is compressed, so
+        the learning rate steps down once, and the schedule still ends within the budget.
+        train_config.json records each value, so a resumed run keeps it. Each step is
+        expected to take the median of the last `FIT_STEPS` plus `FIT_MARGIN`, each
+        evaluation as long as the last, the recompile as long as the first step. Returns
+        whether it changed: past the `first` fit, only by more than `REFIT_SLACK`."""
         cfg, now = self.cfg, time.perf_counter()
         step_s = float(np.median(self.fit_times)) * (1 + FIT_MARGIN)
         left = self.started + cfg.time_budget_s - now - self.first_step_s - self.finish_s
@@ -286,7 +301,7 @@ class Loop:
             from jax.experimental import multihost_utils
 
             steps = int(multihost_utils.broadcast_one_to_all(np.int64(steps)))
-        if steps >= cfg.max_steps:
+        if steps >= cfg.max_steps * (1 if first else 1 - REFIT_SLACK):
             return False
         self.say(bar, f"time budget of {cfg.time_budget_s:g} s: max_steps {cfg.max_steps} -> "
                       f"{steps}, so the learning-rate schedule ends within it "
@@ -313,8 +328,7 @@ class Loop:
             self.train_seconds += step_s  # what the next step is expected to take
             self.steps_run += 1
             self.step_s = step_s
-            if len(self.fit_times) < FIT_STEPS:
-                self.fit_times.append(step_s)
+            self.fit_times.append(step_s)
         elif step == start:
             self.step_s = self.first_step_s = step_s
         self.step = step + 1
@@ -329,7 +343,8 @@ class Loop:
                 on_eval(self.step, state.params)
         if out_of_time:
             self.say(bar, f"time budget of {cfg.time_budget_s:g} s: stopped at step "
-                          f"{self.step}, {time.perf_counter() - self.started:.0f} s in")
+                          f"{self.step} of the schedule's {cfg.max_steps}, "
+                          f"{time.perf_counter() - self.started:.0f} s in")
         return state, out_of_time
 
     def place_batch(self, step: int):
@@ -415,13 +430,15 @@ class Loop:
         self.finish_s = time.perf_counter() - tick
 
     def summary(self) -> dict[str, Any]:
-        """steps, the last evaluation's train_loss (the mean over the steps since the one
-        before, as metrics.jsonl logs it) and val losses, train_seconds (the wall time of
-        the steps run, those that compile left out: not setup, evaluations or checkpoints)
-        and tokens_per_s (over those same steps); with no step run (a finished run
-        resumed), train_loss is null, not NaN (not JSON)."""
-        return {"steps": self.step, "train_loss": None, **self.evals,
-                "train_seconds": self.train_seconds, "tokens_per_s": self.tokens_per_s()}
+        """steps; max_steps, the schedule's length (fitted to a time budget: steps falls
+        short of it when the budget stopped the run first); the last evaluation's
+        train_loss (the mean over the steps since the one before, as metrics.jsonl logs it)
+        and val losses; train_seconds, the wall time of the steps run, those that compile
+        left out (not setup, evaluations or checkpoints), and tokens_per_s over those same
+        steps. With no step run (a finished run resumed), train_loss is null, not NaN."""
+        return {"steps": self.step, "max_steps": self.cfg.max_steps, "train_loss": None,
+                **self.evals, "train_seconds": self.train_seconds,
+                "tokens_per_s": self.tokens_per_s()}
 
 
 def _parse_bool(args: list[str]) -> bool:
