@@ -704,6 +704,23 @@ def test_demo_reports_training_done_since_its_summary(tmp_path, monkeypatch, cap
            f"model in {run}\n" in out
 
 
+def test_demo_says_when_the_budget_stopped_the_run_before_its_schedule(tmp_path, monkeypatch,
+                                                                      capsys):
+    import inference.cli
+    from gpt_jax import cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(
+        {"steps": 100, "max_steps": 120, "tokens_per_s": 1000.0, "train_loss": 2.0,
+         "val_loss": 2.1}))
+    monkeypatch.setattr(cli, "data_main", lambda argv: None)
+    monkeypatch.setattr(inference.cli, "main", lambda argv: None)
+    cli.demo_main(["--run-dir", str(run)])
+    assert f"training: 100 of 120 steps, 1,000 tokens/s, train loss 2.000, val loss 2.100 " \
+           f"nats/char; model in {run}\n" in capsys.readouterr().out
+
+
 def test_a_stopped_demo_run_resumes_with_the_steps_its_budget_fitted(tmp_path, monkeypatch):
     """Fault: `make demo` started again after a stop resumed with the preset's max_steps,
     not the fewer that its time budget had fitted (train_config.json), so the learning-rate
