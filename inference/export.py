@@ -298,8 +298,8 @@ def main(argv=None):
     from inference.cli import load_config, load_model
 
     args = parse_args(argv)
-    platforms = tuple(args.platforms.split(",")) if args.platforms else \
-        (jax.default_backend(),)
+    platforms = (jax.default_backend(),) if args.platforms is None else \
+        tuple(args.platforms.split(","))  # "" is refused by check_shape, not the default
     try:
         check_out(Path(args.out))
         config = load_config(args)  # the config alone: shapes are checked before the weights

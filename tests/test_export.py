@@ -283,6 +283,7 @@ BAD_FLAGS = [
     (["--platforms", "cpu,gpu"], r"platforms='cpu,gpu' is not allowed; allowed: one or more "
                                  r"of cpu, cuda, rocm, tpu, each once"),
     (["--platforms", "cpu,cpu"], r"platforms='cpu,cpu' is not allowed"),
+    (["--platforms", ""], r"platforms='' is not allowed"),  # was the default, silently
     (["--out", "."], r"--out \S+ is a directory; allowed: a file path"),
     # a file where a folder of the path must go (found by a new user: a traceback, and only
     # after the export had run)
