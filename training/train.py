@@ -50,9 +50,9 @@ from training.step import TrainState, evaluate, init_state, make_optimizer, make
 
 # With a time budget, max_steps is fitted to it after the first FIT_STEPS steps (or at the end
 # of the warmup, if sooner and at least FIT_MIN_STEPS measured), each step expected to take
-# FIT_MARGIN longer than the median of the last FIT_STEPS measured, and fitted again at each
-# evaluation after that when the steps have slowed by more than REFIT_SLACK (each fit
-# compiles the step again): `Loop.fit_to_budget`.
+# FIT_MARGIN longer than the median of the last FIT_STEPS measured (at most one evaluation
+# interval's), and fitted again after each evaluation when the steps have slowed enough to
+# lower it by more than REFIT_SLACK (each fit compiles the step again): `Loop.fit_to_budget`.
 FIT_STEPS, FIT_MIN_STEPS, FIT_MARGIN, REFIT_SLACK = 50, 5, 0.05, 0.02
 
 
@@ -289,11 +289,14 @@ class Loop:
         have slowed (a machine that got busier): the rest of the cosine is compressed, so
         the learning rate steps down once, and the schedule still ends within the budget.
         train_config.json records each value, so a resumed run keeps it. Each step is
-        expected to take the median of the last `FIT_STEPS` plus `FIT_MARGIN`, each
+        expected to take the median of the last `FIT_STEPS` (at most the last evaluation
+        interval's: a median over both sides of a slowdown would still be fast) plus
+        `FIT_MARGIN`, each
         evaluation as long as the last, the recompile as long as the first step. Returns
         whether it changed: past the `first` fit, only by more than `REFIT_SLACK`."""
         cfg, now = self.cfg, time.perf_counter()
-        step_s = float(np.median(self.fit_times)) * (1 + FIT_MARGIN)
+        recent = list(self.fit_times)[-min(FIT_STEPS, cfg.eval_interval):]  # one interval's
+        step_s = float(np.median(recent)) * (1 + FIT_MARGIN)
         left = self.started + cfg.time_budget_s - now - self.first_step_s - self.finish_s
         per_step = step_s + self.finish_s / cfg.eval_interval
         steps = max(self.step + 1, self.step + int(left // per_step))
