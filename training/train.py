@@ -229,8 +229,8 @@ class Loop:
         self.started = started  # perf_counter() when the run began: the budget counts from it
         self.step_s = 0.0  # the last step's wall time, a step that compiles left out
         self.finish_s = 0.0  # the last evaluation + checkpoint's: what ending the run takes
-        # the compiling step's wall time; the last FIT_STEPS others'
-        self.first_step_s, self.fit_times = 0.0, collections.deque(maxlen=FIT_STEPS)
+        # the longest step that compiled (the first, one after a fit); the last FIT_STEPS others'
+        self.compile_s, self.fit_times = 0.0, collections.deque(maxlen=FIT_STEPS)
         self.compile_step = None  # the step that compiles: the first, and the first after a fit
 
     def run(self, make_step, state: TrainState, start, on_eval) -> TrainState:
@@ -291,15 +291,18 @@ class Loop:
         train_config.json records each value, so a resumed run keeps it. Each step is
         expected to take the median of the last `FIT_STEPS` (at most the last evaluation
         interval's: a median over both sides of a slowdown would still be fast) plus
-        `FIT_MARGIN`, each
-        evaluation as long as the last, the recompile as long as the first step. Returns
-        whether it changed: past the `first` fit, only by more than `REFIT_SLACK`."""
+        `FIT_MARGIN`, each evaluation as long as the last, the recompile as long as the
+        longest step that compiled. Returns whether it changed: past the `first` fit, only
+        by more than `REFIT_SLACK` and with an evaluation interval of steps left (each fit
+        compiles the step again; near the end `out_of_time` stops the run instead)."""
         cfg, now = self.cfg, time.perf_counter()
         recent = list(self.fit_times)[-min(FIT_STEPS, cfg.eval_interval):]  # one interval's
         step_s = float(np.median(recent)) * (1 + FIT_MARGIN)
-        left = self.started + cfg.time_budget_s - now - self.first_step_s - self.finish_s
+        left = self.started + cfg.time_budget_s - now - self.compile_s - self.finish_s
         per_step = step_s + self.finish_s / cfg.eval_interval
         steps = max(self.step + 1, self.step + int(left // per_step))
+        if not first and steps - self.step < cfg.eval_interval:
+            return False  # too few steps left to pay for a recompile: the guard ends the run
         if jax.process_count() > 1:  # process 0's clock decides for all
             from jax.experimental import multihost_utils
 
@@ -332,8 +335,10 @@ class Loop:
             self.steps_run += 1
             self.step_s = step_s
             self.fit_times.append(step_s)
-        elif step == start:
-            self.step_s = self.first_step_s = step_s
+        else:
+            self.compile_s = max(self.compile_s, step_s)
+            if step == start:  # no other step measured yet
+                self.step_s = step_s
         self.step = step + 1
         self.losses.append(self.loss)
         self.step_times.append(step_s)
