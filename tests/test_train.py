@@ -293,6 +293,28 @@ def test_a_run_that_slows_down_fits_its_schedule_again(corpus, tmp_path, monkeyp
     assert clock[0] <= cfg.time_budget_s
 
 
+@pytest.mark.parametrize("spent_s, changed", [(9.5, False), (5.0, True)])
+def test_every_process_takes_part_in_each_fit(tmp_path, monkeypatch, spent_s, changed):
+    """In a multi-process run process 0's step count is broadcast to all at every fit,
+    before any process decides anything from it: a process that returned first (here, too
+    few steps left to re-fit for) would leave the others waiting in the broadcast."""
+    from jax.experimental import multihost_utils
+
+    sent = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
+                        lambda x: sent.append(int(x)) or x)
+    cfg = TrainConfig.preset("tiny", run_dir=str(tmp_path), max_steps=2000,
+                             eval_interval=100, time_budget_s=10.0)
+    loop = T.Loop(cfg, None, None, None, None, None, 1.0, 1.0, 0.0,
+                  started=T.time.perf_counter() - spent_s)
+    loop.step, loop.primary = 900, False
+    loop.fit_times.extend([0.01] * T.FIT_STEPS)
+    assert loop.fit_to_budget(types.SimpleNamespace(write=print), first=False) is changed
+    assert len(sent) == 1  # 0.5 s left: ~47 steps, fewer than an interval; 5 s: ~476
+    assert loop.cfg.max_steps == (sent[0] if changed else 2000)
+
+
 def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(corpus, tmp_path):
     steps, every = 40, 4
     killed_dir, reference_dir = tmp_path / "killed", tmp_path / "reference"

@@ -301,12 +301,12 @@ class Loop:
         left = self.started + cfg.time_budget_s - now - self.compile_s - self.finish_s
         per_step = step_s + self.finish_s / cfg.eval_interval
         steps = max(self.step + 1, self.step + int(left // per_step))
-        if not first and steps - self.step < cfg.eval_interval:
-            return False  # too few steps left to pay for a recompile: the guard ends the run
-        if jax.process_count() > 1:  # process 0's clock decides for all
+        if jax.process_count() > 1:  # process 0's clock decides for all (before any return)
             from jax.experimental import multihost_utils
 
             steps = int(multihost_utils.broadcast_one_to_all(np.int64(steps)))
+        if not first and steps - self.step < cfg.eval_interval:
+            return False  # too few steps left to pay for a recompile: the guard ends the run
         if steps >= cfg.max_steps * (1 if first else 1 - REFIT_SLACK):
             return False
         self.say(bar, f"time budget of {cfg.time_budget_s:g} s: max_steps {cfg.max_steps} -> "
