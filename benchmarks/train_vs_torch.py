@@ -134,14 +134,13 @@ def start_worker(side: str, argv: list[str], huge_pages: bool) -> subprocess.Pop
     """A worker process for `side` ("jax" or "torch"), once it is ready. With `huge_pages`
     (a model `python -m training.train` restarts with them for: `large_buffers`) both sides
     get that malloc setting, so neither pays 4 KiB page faults the other does not."""
-    from gpt_jax.cli import huge_pages_environ
+    from gpt_jax.cli import INSTALL_TORCH, huge_pages_environ
 
     env = huge_pages_environ() if huge_pages else None
     proc = subprocess.Popen([sys.executable, __file__, *argv, "--worker", side], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
-        hint = " (is torch installed? `pip install torch==2.13.0 transformers`, torch first " \
-            "and alone, as the Makefile does: else pip takes a CUDA build)" if side == "torch" else ""
+        hint = f" (is torch installed? {INSTALL_TORCH})" if side == "torch" else ""
         raise SystemExit(f"the {side} worker failed to start (exit status {proc.wait()}){hint}")
     return proc
 

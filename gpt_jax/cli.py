@@ -137,6 +137,10 @@ def huge_pages_environ() -> dict[str, str]:
     return {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGE_PAGES]))}
 
 
+# How to install the comparison's PyTorch: the local CPU build, before transformers (which
+# would otherwise pull a multi-GB CUDA build), as the Makefile's test install does.
+INSTALL_TORCH = "`pip install torch==2.13.0 transformers`, torch first"
+
 SPEED_BENCHMARKS = ("throughput", "live-length", "roofline", "ttft", "compiles")
 
 
@@ -168,8 +172,8 @@ def bench_main(argv):
             raise
         skip = "; or pass --no-hf to leave transformers out" if "--no-hf" in \
             path.read_text() else ""
-        print(f"gpt-jax bench {name}: needs {error.name}, which `make test` installs (or `pip "
-              f"install torch==2.13.0 transformers`, torch first){skip}", file=sys.stderr)
+        print(f"gpt-jax bench {name}: needs {error.name}, which `make test` installs (or "
+              f"{INSTALL_TORCH}){skip}", file=sys.stderr)
         return 1
     return 0
 

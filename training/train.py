@@ -296,7 +296,7 @@ class Loop:
         by more than `REFIT_SLACK` and with an evaluation interval of steps left (each fit
         compiles the step again; near the end `out_of_time` stops the run instead)."""
         cfg, now = self.cfg, time.perf_counter()
-        recent = list(self.fit_times)[-min(FIT_STEPS, cfg.eval_interval):]  # one interval's
+        recent = list(self.fit_times)[-cfg.eval_interval:]  # at most one interval's
         step_s = float(np.median(recent)) * (1 + FIT_MARGIN)
         left = self.started + cfg.time_budget_s - now - self.compile_s - self.finish_s
         per_step = step_s + self.finish_s / cfg.eval_interval
