@@ -1,0 +1,94 @@
+"""The CPU causal-attention kernels of the training path (gpt_jax/cpu_causal_attention.cc):
+forward equals float64 attention and the backward equals XLA's autodiff of `attend`, for
+multi-head, grouped-query and multi-query heads, every compiled head dim and lengths off
+the kernels' tiles; the model's training loss and gradients are the same with them as
+without; they are in the CPU program and out of portable and bfloat16 ones."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_close
+from gpt_jax import cpu_causal_attention, cpu_kernels, init_params, model
+from gpt_jax.config import GPTConfig
+from training.step import loss_fn
+
+N = 4  # query heads
+
+
+def _inputs(B, T, K, H, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = [(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)]
+    return [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+
+
+def _reference(q, k, v):
+    """Causal attention in float64 numpy: query t of head n sees keys 0..t of kv head
+    n // (N // K)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, _, H = q.shape
+    group = N // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scores = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bnts,bsnh->btnh", probs, v)
+
+
+@pytest.mark.parametrize("B, T, K, H", [
+    (3, 64, 4, 32),   # the nanogpt-cpu layer shape: multi-head
+    (2, 67, 2, 64),   # grouped-query; T off the 4-row tiles and 8-key blocks
+    (1, 5, 1, 128),   # multi-query, fewer keys than one block
+    (2, 1, 4, 32),    # one position
+])
+def test_kernels_equal_attention_forward_and_backward(B, T, K, H):
+    assert cpu_causal_attention.available(), "the CPU causal attention kernel did not build"
+    q, k, v, d_out = _inputs(B, T, K, H)
+    what = f"B {B}, T {T}, K {K}, H {H}"
+    out = jax.jit(cpu_causal_attention.causal_attention)(q, k, v)
+    assert out.dtype == jnp.float32 and out.shape == q.shape
+    assert_close(out, _reference(q, k, v), 2e-6, what)
+
+    def grads(attention):
+        return jax.jit(jax.grad(lambda q, k, v: (attention(q, k, v) * d_out).sum(),
+                                argnums=(0, 1, 2)))(q, k, v)
+
+    for name, got, want in zip("qkv", grads(cpu_causal_attention.causal_attention),
+                               grads(model._attend_causal_xla)):
+        assert_close(got, want, 1e-5, f"d{name}, {what}")
+
+
+def test_training_loss_and_gradients_are_the_same_without_the_kernels(monkeypatch):
+    config = GPTConfig(vocab_size=65, max_seq_len=32, n_layers=2, n_heads=4, d_model=128)
+    params = init_params(config, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 33), 0, 65)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def loss_and_grads():
+        return jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, config, x, y)
+
+    hlo = jax.jit(jax.grad(loss_fn), static_argnums=1).lower(params, config, x, y).as_text()
+    assert cpu_causal_attention.FORWARD in hlo and cpu_causal_attention.BACKWARD in hlo
+    loss, grads = loss_and_grads()
+    monkeypatch.setattr(cpu_causal_attention, "use_kernel", lambda q: False)
+    xla_loss, xla_grads = loss_and_grads()
+    assert_close(loss, xla_loss, 1e-6, "loss")
+    jax.tree_util.tree_map_with_path(
+        lambda path, got, want: assert_close(got, want, 1e-5, jax.tree_util.keystr(path)),
+        grads, xla_grads)
+
+
+@pytest.mark.parametrize("case", ["portable", "bfloat16"])
+def test_portable_and_bfloat16_programs_do_not_call_the_kernels(case):
+    q, k, v, _ = _inputs(1, 8, 4, 32)
+    if case == "bfloat16":
+        q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+        hlo = jax.jit(model.attend_causal).lower(q, k, v).as_text()
+    else:
+        with cpu_kernels.portable():  # a fresh function: jit caches by function, not context
+            hlo = jax.jit(lambda *a: model.attend_causal(*a)).lower(q, k, v).as_text()
+    assert cpu_causal_attention.FORWARD not in hlo
+    assert cpu_causal_attention.FORWARD in jax.jit(model.attend_causal).lower(
+        *(x.astype(jnp.float32) for x in (q, k, v))).as_text()  # the float32 program does
