@@ -102,12 +102,14 @@ template <int64_t H>
 void tile_dots(const float* const* a, const float* x_HT, int64_t Tp, int64_t keys,
                float* scores_RT) {
   for (int64_t j = 0; j < keys; j += 8) {
-    f32x8 acc[R] = {};
-    for (int64_t h = 0; h < H; ++h) {
-      const f32x8 x = load8(x_HT + h * Tp + j);
-      for (int64_t r = 0; r < R; ++r) acc[r] += a[r][h] * x;
+    f32x8 acc[2][R] = {};  // even and odd h: 2R independent FMA chains hide FMA latency
+    for (int64_t h = 0; h < H; h += 2) {
+      for (int64_t i = 0; i < 2; ++i) {
+        const f32x8 x = load8(x_HT + (h + i) * Tp + j);
+        for (int64_t r = 0; r < R; ++r) acc[i][r] += a[r][h + i] * x;
+      }
     }
-    for (int64_t r = 0; r < R; ++r) store8(scores_RT + r * Tp + j, acc[r]);
+    for (int64_t r = 0; r < R; ++r) store8(scores_RT + r * Tp + j, acc[0][r] + acc[1][r]);
   }
 }
 
@@ -122,9 +124,13 @@ inline f32x8 causal_exp(const float* row, int64_t j, int64_t t, float scale, flo
   return visible(j, t) ? exp8(load8(row + j) * scale - shift) : splat(0.0f);
 }
 
-// Query row t's scores (unscaled, over keys [0, keys)) -> its softmax probabilities, in
-// place; returns the log-sum-exp of the scaled scores (max-subtracted).
-inline float softmax_row(float* row, int64_t t, int64_t keys, float scale) {
+// Query row t's scores (unscaled, over keys [0, keys)) -> exp(scale * s - max), in place
+// (the softmax before its division); returns {max, sum} of the row.
+struct RowSum {
+  float max, sum;
+};
+
+inline RowSum exp_row(float* row, int64_t t, int64_t keys, float scale) {
   f32x8 maxes = splat(-INFINITY);
   for (int64_t j = 0; j <= t; j += 8) {
     const f32x8 x = visible(j, t) ? load8(row + j) : splat(-INFINITY);
@@ -139,9 +145,7 @@ inline float softmax_row(float* row, int64_t t, int64_t keys, float scale) {
     total += e;
     store8(row + j, e);
   }
-  const float sum = sum8(total), inverse = 1.0f / sum;
-  for (int64_t j = 0; j < keys; j += 8) store8(row + j, load8(row + j) * inverse);
-  return max + std::log(sum);
+  return {max, sum8(total)};
 }
 
 // Query row t's scores -> its probabilities from the forward's log-sum-exp, in place.
@@ -163,8 +167,12 @@ void forward_head(const float* q, const Head& kv, int64_t b, int64_t N, int64_t 
     for (int64_t r = 0; r < R; ++r)
       q_rows[r] = q + ((b * T + t0 + std::min(r, rows - 1)) * N + n) * H;
     tile_dots<H>(q_rows, kv.k_HT.data(), Tp, keys, scores.data());
-    for (int64_t r = 0; r < rows; ++r)
-      lse[(b * N + n) * T + t0 + r] = softmax_row(scores.data() + r * Tp, t0 + r, keys, scale);
+    float inverse[R] = {};
+    for (int64_t r = 0; r < rows; ++r) {
+      const RowSum row = exp_row(scores.data() + r * Tp, t0 + r, keys, scale);
+      lse[(b * N + n) * T + t0 + r] = row.max + std::log(row.sum);
+      inverse[r] = 1.0f / row.sum;
+    }
     for (int64_t r = rows; r < R; ++r) std::fill_n(scores.data() + r * Tp, keys, 0.0f);
     f32x8 acc[R][C] = {};
     for (int64_t j = 0; j < std::min(keys, T); ++j) {
@@ -175,7 +183,7 @@ void forward_head(const float* q, const Head& kv, int64_t b, int64_t N, int64_t 
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < C; ++c)
-        store8(out + ((b * T + t0 + r) * N + n) * H + c * 8, acc[r][c]);
+        store8(out + ((b * T + t0 + r) * N + n) * H + c * 8, acc[r][c] * inverse[r]);
   }
 }
 
