@@ -51,7 +51,8 @@ def use_kernel(q_BTNH: jax.Array) -> bool:
 def _forward(q_BTNH, k_BTKH, v_BTKH):
     B, T, N, _ = q_BTNH.shape
     call = jax.ffi.ffi_call(FORWARD, (jax.ShapeDtypeStruct(q_BTNH.shape, jnp.float32),
-                                      jax.ShapeDtypeStruct((B, N, T), jnp.float32)))
+                                      jax.ShapeDtypeStruct((B, N, T), jnp.float32)),
+                            vmap_method="sequential")
     return call(q_BTNH, k_BTKH, v_BTKH)
 
 
@@ -66,7 +67,8 @@ def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) ->
         reads kv head n // (N // K)).
     Returns:
       float32 `[B, T, N, H]`, equal to `gpt_jax.model.attend` with a causal mask to float
-      rounding; differentiable (the backward is the second kernel).
+      rounding; differentiable (the backward is the second kernel). Under `jax.vmap` the
+      kernels run once per mapped element.
     """
     return _forward(q_BTNH, k_BTKH, v_BTKH)[0]
 
@@ -80,7 +82,8 @@ def _causal_attention_bwd(residuals, d_out_BTNH):
     q_BTNH, k_BTKH, v_BTKH, _, _ = residuals
     call = jax.ffi.ffi_call(BACKWARD, (jax.ShapeDtypeStruct(q_BTNH.shape, jnp.float32),
                                        jax.ShapeDtypeStruct(k_BTKH.shape, jnp.float32),
-                                       jax.ShapeDtypeStruct(v_BTKH.shape, jnp.float32)))
+                                       jax.ShapeDtypeStruct(v_BTKH.shape, jnp.float32)),
+                            vmap_method="sequential")
     return tuple(call(*residuals, d_out_BTNH.astype(jnp.float32)))
 
 

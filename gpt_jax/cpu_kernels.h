@@ -1,6 +1,6 @@
-// Shared by the native CPU kernels (cpu_attention.cc, cpu_int8.cc): a parallel loop over
-// XLA:CPU's intra-op thread pool and eight-float vector helpers. Built into each kernel by
-// gpt_jax/cpu_kernels.py (its text is part of every kernel's cache key).
+// Shared by the native CPU kernels (cpu_attention.cc, cpu_causal_attention.cc, cpu_int8.cc):
+// a parallel loop over XLA:CPU's intra-op thread pool and eight-float vector helpers. Built
+// into each kernel by gpt_jax/cpu_kernels.py (its text is part of every kernel's cache key).
 
 #ifndef GPT_JAX_CPU_KERNELS_H_
 #define GPT_JAX_CPU_KERNELS_H_

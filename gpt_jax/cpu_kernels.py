@@ -1,5 +1,6 @@
 """Build, cache and register the native CPU kernels (XLA FFI custom calls), shared by
-`gpt_jax.cpu_attention` (paged decode attention) and `gpt_jax.cpu_int8` (int8 matmul).
+`gpt_jax.cpu_attention` (paged decode attention), `gpt_jax.cpu_causal_attention` (the
+training path's attention, forward and backward) and `gpt_jax.cpu_int8` (int8 matmul).
 
 Each kernel is one C++ source beside this file, which may include the shared header
 `cpu_kernels.h` (the thread-pool loop and vector helpers). It is compiled on first use

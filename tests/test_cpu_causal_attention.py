@@ -60,6 +60,16 @@ def test_kernels_equal_attention_forward_and_backward(B, T, K, H):
         assert_close(got, want, 1e-5, f"d{name}, {what}")
 
 
+def test_vmapped_kernels_equal_each_element_alone():
+    q, k, v, d_out = (x.reshape(2, 3, *x.shape[1:]) for x in _inputs(6, 16, 2, 32))
+    loss = lambda q, k, v, d: (cpu_causal_attention.causal_attention(q, k, v) * d).sum()
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v, d_out)
+    for i in range(2):
+        alone = jax.grad(loss, argnums=(0, 1, 2))(q[i], k[i], v[i], d_out[i])
+        for name, got, want in zip("qkv", grads, alone):
+            assert_close(got[i], want, 1e-6, f"d{name} of element {i}")
+
+
 def test_training_loss_and_gradients_are_the_same_without_the_kernels(monkeypatch):
     config = GPTConfig(vocab_size=65, max_seq_len=32, n_layers=2, n_heads=4, d_model=128)
     params = init_params(config, jax.random.key(0))
