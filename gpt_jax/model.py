@@ -557,7 +557,7 @@ def attend_causal(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> ja
     """`attend` of each query t to keys 0..t of its own row: `[B, T, N, H]`, dtype of v.
 
     On CPU, float32 with a head dim the kernels are built for, the forward and backward run
-    as `gpt_jax.cpu_causal_attention` kernels (the nanogpt-cpu train step 36-38 -> 32-35 ms);
+    as `gpt_jax.cpu_causal_attention` kernels (the nanogpt-cpu train step ~40 -> ~36 ms);
     elsewhere, or where they cannot be built, or inside `cpu_kernels.portable()`, XLA's
     `attend` runs (`_attend_causal_xla`).
     """
