@@ -187,6 +187,44 @@ void forward_head(const float* q, const Head& kv, int64_t b, int64_t N, int64_t 
   }
 }
 
+// Query rows per block of the backward: their dK and dV contributions are summed in
+// registers, and each key's dK, dV rows are read and written once per block.
+constexpr int64_t QB = 8 * R;
+
+// dK[j] += sum_t dS[t][j] q_t and dV[j] += sum_t P[t][j] dO_t over the block's query rows
+// t >= j (rows b0 + i of p, ds [QB, Tp]), for keys j < `keys`; four keys by two vectors of
+// the head dim at a time (16 accumulators).
+template <int64_t H>
+void accumulate_dk_dv(const float* q, const float* d_out, int64_t b, int64_t N, int64_t n,
+                      int64_t T, int64_t Tp, int64_t b0, int64_t rows, int64_t keys,
+                      const float* p, const float* ds, float* dk_TH, float* dv_TH) {
+  for (int64_t j0 = 0; j0 < keys; j0 += 4) {
+    const int64_t kn = std::min<int64_t>(4, keys - j0);
+    for (int64_t c = 0; c < H / 8; c += 2) {
+      f32x8 dk[4][2] = {}, dv[4][2] = {};
+      for (int64_t t = std::max(b0, j0); t < b0 + rows; ++t) {
+        const int64_t at = ((b * T + t) * N + n) * H + c * 8, i = (t - b0) * Tp + j0;
+        const f32x8 q0 = load8(q + at), q1 = load8(q + at + 8);
+        const f32x8 d0 = load8(d_out + at), d1 = load8(d_out + at + 8);
+        for (int64_t jj = 0; jj < 4; ++jj) {
+          dk[jj][0] += ds[i + jj] * q0;
+          dk[jj][1] += ds[i + jj] * q1;
+          dv[jj][0] += p[i + jj] * d0;
+          dv[jj][1] += p[i + jj] * d1;
+        }
+      }
+      for (int64_t jj = 0; jj < kn; ++jj) {
+        float* dk_row = dk_TH + (j0 + jj) * H + c * 8;
+        float* dv_row = dv_TH + (j0 + jj) * H + c * 8;
+        store8(dk_row, load8(dk_row) + dk[jj][0]);
+        store8(dk_row + 8, load8(dk_row + 8) + dk[jj][1]);
+        store8(dv_row, load8(dv_row) + dv[jj][0]);
+        store8(dv_row + 8, load8(dv_row + 8) + dv[jj][1]);
+      }
+    }
+  }
+}
+
 template <int64_t H>
 void backward_head(const float* q, const float* out, const float* lse, const float* d_out,
                    const Head& kv, int64_t b, int64_t N, int64_t n, float* d_q, float* dk_TH,
@@ -194,53 +232,51 @@ void backward_head(const float* q, const float* out, const float* lse, const flo
   constexpr int64_t C = H / 8;
   const int64_t T = kv.T, Tp = kv.Tp;
   const float scale = 1.0f / std::sqrt(float(H));
-  thread_local std::vector<float> p, ds;
-  p.resize(R * Tp);
-  ds.resize(R * Tp);
-  for (int64_t t0 = 0; t0 < T; t0 += R) {
-    const int64_t rows = std::min(R, T - t0), keys = (t0 + rows + 7) / 8 * 8;
-    const float *q_rows[R], *do_rows[R];
-    float D[R];
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t at = ((b * T + t0 + std::min(r, rows - 1)) * N + n) * H;
-      q_rows[r] = q + at;
-      do_rows[r] = d_out + at;
-      f32x8 dot = {};
-      for (int64_t c = 0; c < C; ++c) dot += load8(d_out + at + c * 8) * load8(out + at + c * 8);
-      D[r] = sum8(dot);
-    }
-    tile_dots<H>(q_rows, kv.k_HT.data(), Tp, keys, p.data());
-    tile_dots<H>(do_rows, kv.v_HT.data(), Tp, keys, ds.data());  // dP
-    for (int64_t r = 0; r < R; ++r) {
-      float* p_row = p.data() + r * Tp;
-      float* ds_row = ds.data() + r * Tp;
-      if (r < rows) {
-        probabilities(p_row, t0 + r, keys, scale, lse[(b * N + n) * T + t0 + r]);
-      } else {
-        std::fill_n(p_row, keys, 0.0f);
+  thread_local std::vector<float> p_block, ds_block;
+  p_block.resize(QB * Tp);
+  ds_block.resize(QB * Tp);
+  for (int64_t b0 = 0; b0 < T; b0 += QB) {
+    const int64_t block_rows = std::min(QB, T - b0);
+    for (int64_t t0 = b0; t0 < b0 + block_rows; t0 += R) {
+      const int64_t rows = std::min(R, T - t0), keys = (t0 + rows + 7) / 8 * 8;
+      float* p = p_block.data() + (t0 - b0) * Tp;
+      float* ds = ds_block.data() + (t0 - b0) * Tp;
+      const float *q_rows[R], *do_rows[R];
+      float D[R];
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t at = ((b * T + t0 + std::min(r, rows - 1)) * N + n) * H;
+        q_rows[r] = q + at;
+        do_rows[r] = d_out + at;
+        f32x8 dot = {};
+        for (int64_t c = 0; c < C; ++c) dot += load8(d_out + at + c * 8) * load8(out + at + c * 8);
+        D[r] = sum8(dot);
       }
-      for (int64_t j = 0; j < keys; j += 8)
-        store8(ds_row + j, load8(p_row + j) * (load8(ds_row + j) - D[r]) * scale);
-    }
-    // dQ rows of the tile; dK, dV rows of every key the tile saw.
-    f32x8 dq[R][C] = {};
-    for (int64_t j = 0; j < std::min(keys, T); ++j) {
-      for (int64_t c = 0; c < C; ++c) {
-        const f32x8 kj = load8(&kv.k_TH[j * H + c * 8]);
-        f32x8 dk = load8(dk_TH + j * H + c * 8), dv = load8(dv_TH + j * H + c * 8);
-        for (int64_t r = 0; r < R; ++r) {
-          const float dsr = ds[r * Tp + j];
-          dq[r][c] += dsr * kj;
-          dk += dsr * load8(q_rows[r] + c * 8);
-          dv += p[r * Tp + j] * load8(do_rows[r] + c * 8);
+      tile_dots<H>(q_rows, kv.k_HT.data(), Tp, keys, p);
+      tile_dots<H>(do_rows, kv.v_HT.data(), Tp, keys, ds);  // dP
+      for (int64_t r = 0; r < R; ++r) {
+        float* p_row = p + r * Tp;
+        float* ds_row = ds + r * Tp;
+        if (r < rows) {
+          probabilities(p_row, t0 + r, keys, scale, lse[(b * N + n) * T + t0 + r]);
+        } else {
+          std::fill_n(p_row, keys, 0.0f);
         }
-        store8(dk_TH + j * H + c * 8, dk);
-        store8(dv_TH + j * H + c * 8, dv);
+        for (int64_t j = 0; j < keys; j += 8)
+          store8(ds_row + j, load8(p_row + j) * (load8(ds_row + j) - D[r]) * scale);
       }
+      f32x8 dq[R][C] = {};
+      for (int64_t j = 0; j < std::min(keys, T); ++j) {
+        for (int64_t c = 0; c < C; ++c) {
+          const f32x8 kj = load8(&kv.k_TH[j * H + c * 8]);
+          for (int64_t r = 0; r < R; ++r) dq[r][c] += ds[r * Tp + j] * kj;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < C; ++c)
+          store8(d_q + ((b * T + t0 + r) * N + n) * H + c * 8, dq[r][c]);
     }
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < C; ++c)
-        store8(d_q + ((b * T + t0 + r) * N + n) * H + c * 8, dq[r][c]);
+    accumulate_dk_dv<H>(q, d_out, b, N, n, T, Tp, b0, block_rows, std::min(T, b0 + block_rows),
+                        p_block.data(), ds_block.data(), dk_TH, dv_TH);
   }
 }
 
