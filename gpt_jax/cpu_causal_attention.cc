@@ -97,10 +97,13 @@ struct Head {
 };
 
 // scores[r][j] = sum_h a[r][h] * x_HT[h][j] for the R rows of a tile (row pointers `a`, of
-// which the first `rows` are real) and keys j < `keys` (rounded up to 8).
+// which the first `rows` are real) and keys j < `keys` (rounded up to 8), times `scale`.
+// Stored rounded, so the softmax's row maximum minus itself is exactly 0 (a product left
+// to an FMA in exp's argument differed from it by up to an ulp of the score: NaN and
+// overflow at scores of 1e10).
 template <int64_t H>
 void tile_dots(const float* const* a, const float* x_HT, int64_t Tp, int64_t keys,
-               float* scores_RT) {
+               float scale, float* scores_RT) {
   for (int64_t j = 0; j < keys; j += 8) {
     f32x8 acc[2][R] = {};  // even and odd h: 2R independent FMA chains hide FMA latency
     for (int64_t h = 0; h < H; h += 2) {
@@ -109,7 +112,8 @@ void tile_dots(const float* const* a, const float* x_HT, int64_t Tp, int64_t key
         for (int64_t r = 0; r < R; ++r) acc[i][r] += a[r][h + i] * x;
       }
     }
-    for (int64_t r = 0; r < R; ++r) store8(scores_RT + r * Tp + j, acc[0][r] + acc[1][r]);
+    for (int64_t r = 0; r < R; ++r)
+      store8(scores_RT + r * Tp + j, (acc[0][r] + acc[1][r]) * scale);
   }
 }
 
@@ -119,18 +123,18 @@ inline i32x8 visible(int64_t j, int64_t t) {
   return lane <= int32_t(t - j);
 }
 
-// exp(scale * row[j] - shift) for keys j <= t, 0 for t < j < keys (a multiple of 8).
-inline f32x8 causal_exp(const float* row, int64_t j, int64_t t, float scale, float shift) {
-  return visible(j, t) ? exp8(load8(row + j) * scale - shift) : splat(0.0f);
+// exp(row[j] - shift) for keys j <= t, 0 for t < j < keys (a multiple of 8).
+inline f32x8 causal_exp(const float* row, int64_t j, int64_t t, float shift) {
+  return visible(j, t) ? exp8(load8(row + j) - shift) : splat(0.0f);
 }
 
-// Query row t's scores (unscaled, over keys [0, keys)) -> exp(scale * s - max), in place
+// Query row t's scaled scores (over keys [0, keys)) -> exp(s - max), in place
 // (the softmax before its division); returns {max, sum} of the row.
 struct RowSum {
   float max, sum;
 };
 
-inline RowSum exp_row(float* row, int64_t t, int64_t keys, float scale) {
+inline RowSum exp_row(float* row, int64_t t, int64_t keys) {
   f32x8 maxes = splat(-INFINITY);
   for (int64_t j = 0; j <= t; j += 8) {
     const f32x8 x = visible(j, t) ? load8(row + j) : splat(-INFINITY);
@@ -138,10 +142,9 @@ inline RowSum exp_row(float* row, int64_t t, int64_t keys, float scale) {
   }
   float max = maxes[0];
   for (int64_t i = 1; i < 8; ++i) max = std::max(max, maxes[i]);
-  max *= scale;
   f32x8 total = {};
   for (int64_t j = 0; j < keys; j += 8) {
-    const f32x8 e = causal_exp(row, j, t, scale, max);
+    const f32x8 e = causal_exp(row, j, t, max);
     total += e;
     store8(row + j, e);
   }
@@ -149,8 +152,8 @@ inline RowSum exp_row(float* row, int64_t t, int64_t keys, float scale) {
 }
 
 // Query row t's scores -> its probabilities from the forward's log-sum-exp, in place.
-inline void probabilities(float* row, int64_t t, int64_t keys, float scale, float lse) {
-  for (int64_t j = 0; j < keys; j += 8) store8(row + j, causal_exp(row, j, t, scale, lse));
+inline void probabilities(float* row, int64_t t, int64_t keys, float lse) {
+  for (int64_t j = 0; j < keys; j += 8) store8(row + j, causal_exp(row, j, t, lse));
 }
 
 template <int64_t H>
@@ -166,10 +169,10 @@ void forward_head(const float* q, const Head& kv, int64_t b, int64_t N, int64_t 
     const float* q_rows[R];
     for (int64_t r = 0; r < R; ++r)
       q_rows[r] = q + ((b * T + t0 + std::min(r, rows - 1)) * N + n) * H;
-    tile_dots<H>(q_rows, kv.k_HT.data(), Tp, keys, scores.data());
+    tile_dots<H>(q_rows, kv.k_HT.data(), Tp, keys, scale, scores.data());
     float inverse[R] = {};
     for (int64_t r = 0; r < rows; ++r) {
-      const RowSum row = exp_row(scores.data() + r * Tp, t0 + r, keys, scale);
+      const RowSum row = exp_row(scores.data() + r * Tp, t0 + r, keys);
       lse[(b * N + n) * T + t0 + r] = row.max + std::log(row.sum);
       inverse[r] = 1.0f / row.sum;
     }
@@ -251,13 +254,13 @@ void backward_head(const float* q, const float* out, const float* lse, const flo
         for (int64_t c = 0; c < C; ++c) dot += load8(d_out + at + c * 8) * load8(out + at + c * 8);
         D[r] = sum8(dot);
       }
-      tile_dots<H>(q_rows, kv.k_HT.data(), Tp, keys, p);
-      tile_dots<H>(do_rows, kv.v_HT.data(), Tp, keys, ds);  // dP
+      tile_dots<H>(q_rows, kv.k_HT.data(), Tp, keys, scale, p);
+      tile_dots<H>(do_rows, kv.v_HT.data(), Tp, keys, 1.0f, ds);  // dP
       for (int64_t r = 0; r < R; ++r) {
         float* p_row = p + r * Tp;
         float* ds_row = ds + r * Tp;
         if (r < rows) {
-          probabilities(p_row, t0 + r, keys, scale, lse[(b * N + n) * T + t0 + r]);
+          probabilities(p_row, t0 + r, keys, lse[(b * N + n) * T + t0 + r]);
         } else {
           std::fill_n(p_row, keys, 0.0f);
         }

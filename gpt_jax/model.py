@@ -561,7 +561,7 @@ def attend_causal(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> ja
     elsewhere, or where they cannot be built, or inside `cpu_kernels.portable()`, XLA's
     `attend` runs (`_attend_causal_xla`).
     """
-    if cpu_causal_attention.use_kernel(q_BTNH):
+    if cpu_causal_attention.use_kernel(q_BTNH, k_BTKH, v_BTKH):
         return jax.lax.platform_dependent(q_BTNH, k_BTKH, v_BTKH, default=_attend_causal_xla,
                                           cpu=cpu_causal_attention.causal_attention)
     return _attend_causal_xla(q_BTNH, k_BTKH, v_BTKH)

@@ -17,6 +17,11 @@ from training.step import loss_fn
 N = 4  # query heads
 
 
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    assert cpu_causal_attention.available(), "the CPU causal attention kernel did not build"
+
+
 def _inputs(B, T, K, H, seed=0):
     rng = np.random.default_rng(seed)
     shapes = [(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)]
@@ -44,7 +49,6 @@ def _reference(q, k, v):
     (2, 1, 4, 32),    # one position
 ])
 def test_kernels_equal_attention_forward_and_backward(B, T, K, H):
-    assert cpu_causal_attention.available(), "the CPU causal attention kernel did not build"
     q, k, v, d_out = _inputs(B, T, K, H)
     what = f"B {B}, T {T}, K {K}, H {H}"
     out = jax.jit(cpu_causal_attention.causal_attention)(q, k, v)
@@ -82,12 +86,47 @@ def test_training_loss_and_gradients_are_the_same_without_the_kernels(monkeypatc
     hlo = jax.jit(jax.grad(loss_fn), static_argnums=1).lower(params, config, x, y).as_text()
     assert cpu_causal_attention.FORWARD in hlo and cpu_causal_attention.BACKWARD in hlo
     loss, grads = loss_and_grads()
-    monkeypatch.setattr(cpu_causal_attention, "use_kernel", lambda q: False)
+    monkeypatch.setattr(cpu_causal_attention, "use_kernel", lambda *qkv: False)
     xla_loss, xla_grads = loss_and_grads()
     assert_close(loss, xla_loss, 1e-6, "loss")
     jax.tree_util.tree_map_with_path(
         lambda path, got, want: assert_close(got, want, 1e-5, jax.tree_util.keystr(path)),
         grads, xla_grads)
+
+
+def test_second_order_gradients_equal_xla_attention():
+    q, k, v, d_out = _inputs(2, 9, 2, 32)
+    loss = lambda attention: lambda q, k, v: (attention(q, k, v) * d_out).sum()  # noqa: E731
+
+    def hessian_vector(attention):  # d/dq of <grad_q loss, q>, through both kernels
+        grad_q = jax.grad(loss(attention))
+        return jax.jit(jax.grad(lambda q, k, v: jnp.vdot(grad_q(q, k, v), q),
+                                argnums=(0, 1, 2)))(q, k, v)
+
+    for name, got, want in zip("qkv", hessian_vector(cpu_causal_attention.causal_attention),
+                               hessian_vector(model._attend_causal_xla)):
+        assert_close(got, want, 1e-5, f"second-order d{name}")
+
+
+def test_huge_scores_stay_finite_and_exact():
+    q, k, v, _ = _inputs(2, 13, 2, 32)
+    k = k.at[0, 5, 0].set(1e10)  # key 5 of kv head 0 dominates every later query's softmax
+    out = jax.jit(cpu_causal_attention.causal_attention)(q, k, v)
+    assert np.isfinite(np.asarray(out)).all()
+    assert_close(out, _reference(q, k, v), 2e-6, "scores of 1e10")
+
+
+def test_mixed_dtypes_take_xla_and_bad_shapes_are_refused_when_traced():
+    q, k, v, _ = _inputs(1, 8, 2, 32)
+    k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    assert not cpu_causal_attention.use_kernel(q, k16, v16)
+    out = jax.jit(model.attend_causal)(q, k16, v16)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out.astype(jnp.float32), _reference(q, k16, v16), 3e-2, "bfloat16 k, v")
+    with pytest.raises(ValueError, match=r"q \(1, 8, 4, 32\), k \(1, 7, 2, 32\)"):
+        jax.jit(cpu_causal_attention.causal_attention).lower(q, k[:, :7], v[:, :7])
+    with pytest.raises(ValueError, match="K dividing N"):
+        jax.jit(cpu_causal_attention.causal_attention).lower(q, *_inputs(1, 8, 3, 32)[1:3])
 
 
 @pytest.mark.parametrize("case", ["portable", "bfloat16"])
