@@ -19,7 +19,8 @@ class TrainConfig:
       ValueError: a value is out of range (naming the field, value and range).
     """
 
-    model: str = "shakespeare-char"  # GPTConfig preset; vocab_size comes from the tokenizer
+    # GPTConfig preset: tiny, shakespeare-char, nanogpt-cpu or gpt2 (vocab_size: the tokenizer's)
+    model: str = "shakespeare-char"
     text: str | None = None  # UTF-8 corpus file; None = the built-in Shakespeare plays
     run_dir: str = "runs/shakespeare-char"  # checkpoints, config, tokenizer, metrics, plots
     tokenizer: str = "char"  # "char" or "bpe" (byte-level BPE trained on the corpus)
