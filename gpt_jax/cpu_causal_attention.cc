@@ -156,6 +156,19 @@ inline void probabilities(float* row, int64_t t, int64_t keys, float lse) {
   for (int64_t j = 0; j < keys; j += 8) store8(row + j, causal_exp(row, j, t, lse));
 }
 
+// acc[r] += sum_{j < n} w[r][j] x[j] for the R rows of a tile: weights [R, Tp] times the
+// rows of x [T, H], H / 8 vectors per row (P V in the forward, dS K in the backward).
+template <int64_t H>
+void tile_product(const float* w_RT, int64_t Tp, const float* x_TH, int64_t n,
+                  f32x8 (&acc)[R][H / 8]) {
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t c = 0; c < H / 8; ++c) {
+      const f32x8 x = load8(x_TH + j * H + c * 8);
+      for (int64_t r = 0; r < R; ++r) acc[r][c] += w_RT[r * Tp + j] * x;
+    }
+  }
+}
+
 template <int64_t H>
 void forward_head(const float* q, const Head& kv, int64_t b, int64_t N, int64_t n,
                   float* out, float* lse) {
@@ -178,12 +191,7 @@ void forward_head(const float* q, const Head& kv, int64_t b, int64_t N, int64_t 
     }
     for (int64_t r = rows; r < R; ++r) std::fill_n(scores.data() + r * Tp, keys, 0.0f);
     f32x8 acc[R][C] = {};
-    for (int64_t j = 0; j < std::min(keys, T); ++j) {
-      for (int64_t c = 0; c < C; ++c) {
-        const f32x8 v = load8(&kv.v_TH[j * H + c * 8]);
-        for (int64_t r = 0; r < R; ++r) acc[r][c] += scores[r * Tp + j] * v;
-      }
-    }
+    tile_product<H>(scores.data(), Tp, kv.v_TH.data(), std::min(keys, T), acc);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < C; ++c)
         store8(out + ((b * T + t0 + r) * N + n) * H + c * 8, acc[r][c] * inverse[r]);
@@ -268,12 +276,7 @@ void backward_head(const float* q, const float* out, const float* lse, const flo
           store8(ds_row + j, load8(p_row + j) * (load8(ds_row + j) - D[r]) * scale);
       }
       f32x8 dq[R][C] = {};
-      for (int64_t j = 0; j < std::min(keys, T); ++j) {
-        for (int64_t c = 0; c < C; ++c) {
-          const f32x8 kj = load8(&kv.k_TH[j * H + c * 8]);
-          for (int64_t r = 0; r < R; ++r) dq[r][c] += ds[r * Tp + j] * kj;
-        }
-      }
+      tile_product<H>(ds, Tp, kv.k_TH.data(), std::min(keys, T), dq);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < C; ++c)
           store8(d_q + ((b * T + t0 + r) * N + n) * H + c * 8, dq[r][c]);
