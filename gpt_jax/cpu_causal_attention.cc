@@ -10,13 +10,13 @@
 //   S = Q K^T / sqrt(H), masked to keys j <= t; P = softmax(S); O = P V;
 //   lse_t = log sum_j exp(S_tj) (kept for the backward, as FlashAttention does).
 // Backward (FlashAttention-2, Dao 2023, Algorithm 2; P recomputed from lse):
-//   D_t = dO_t . O_t; dP = dO V^T; dS = P * (dP - D); dQ = dS K / sqrt(H);
+//   dP = dO V^T; D_t = sum_j P_tj dP_tj (= dO_t . O_t); dS = P * (dP - D); dQ = dS K / sqrt(H);
 //   dK = dS^T Q / sqrt(H); dV = P^T dO (dK and dV summed over the G query heads).
 //
 // Arguments (B rows, T positions, N query heads, K kv heads, G = N / K, H = 32, 64 or 128):
 //   forward:  q f32 [B, T, N, H], k, v f32 [B, T, K, H]
 //             -> out f32 [B, T, N, H], lse f32 [B, N, T]
-//   backward: q, k, v, out, lse as above, d_out f32 [B, T, N, H]
+//   backward: q, k, v, lse as above, d_out f32 [B, T, N, H]
 //             -> d_q f32 [B, T, N, H], d_k, d_v f32 [B, T, K, H]
 //
 // Built by gpt_jax/cpu_kernels.py on first use (gpt_jax/cpu_causal_attention.py binds it).
@@ -237,7 +237,7 @@ void accumulate_dk_dv(const float* q, const float* d_out, int64_t b, int64_t N, 
 }
 
 template <int64_t H>
-void backward_head(const float* q, const float* out, const float* lse, const float* d_out,
+void backward_head(const float* q, const float* lse, const float* d_out,
                    const Head& kv, int64_t b, int64_t N, int64_t n, float* d_q, float* dk_TH,
                    float* dv_TH) {
   constexpr int64_t C = H / 8;
@@ -253,14 +253,10 @@ void backward_head(const float* q, const float* out, const float* lse, const flo
       float* p = p_block.data() + (t0 - b0) * Tp;
       float* ds = ds_block.data() + (t0 - b0) * Tp;
       const float *q_rows[R], *do_rows[R];
-      float D[R];
       for (int64_t r = 0; r < R; ++r) {
         const int64_t at = ((b * T + t0 + std::min(r, rows - 1)) * N + n) * H;
         q_rows[r] = q + at;
         do_rows[r] = d_out + at;
-        f32x8 dot = {};
-        for (int64_t c = 0; c < C; ++c) dot += load8(d_out + at + c * 8) * load8(out + at + c * 8);
-        D[r] = sum8(dot);
       }
       tile_dots<H>(q_rows, kv.k_HT.data(), Tp, keys, scale, p);
       tile_dots<H>(do_rows, kv.v_HT.data(), Tp, keys, 1.0f, ds);  // dP
@@ -272,8 +268,14 @@ void backward_head(const float* q, const float* out, const float* lse, const flo
         } else {
           std::fill_n(p_row, keys, 0.0f);
         }
+        // D = sum_j P_j dP_j (= dO . O): from the same P and dP as dS, so a one-hot row's
+        // dS is exactly 0 (dO . O rounds apart from dP at the winning key; times a key of
+        // 1e10 that gave dQ of 1e3 where the true one is 0).
+        f32x8 dots = {};
+        for (int64_t j = 0; j < keys; j += 8) dots += load8(p_row + j) * load8(ds_row + j);
+        const float D = sum8(dots);
         for (int64_t j = 0; j < keys; j += 8)
-          store8(ds_row + j, load8(p_row + j) * (load8(ds_row + j) - D[r]) * scale);
+          store8(ds_row + j, load8(p_row + j) * (load8(ds_row + j) - D) * scale);
       }
       f32x8 dq[R][C] = {};
       tile_product<H>(ds, Tp, kv.k_TH.data(), std::min(keys, T), dq);
@@ -320,7 +322,7 @@ void forward(ffi::ThreadPool& pool, Shape s, const float* q, const float* k, con
 
 template <int64_t H>
 void backward(ffi::ThreadPool& pool, Shape s, const float* q, const float* k, const float* v,
-              const float* out, const float* lse, const float* d_out, float* d_q, float* d_k,
+              const float* lse, const float* d_out, float* d_q, float* d_k,
               float* d_v) {
   const int64_t G = s.N / s.K;
   parallel_for(pool, s.B * s.K, [&](int64_t item) {
@@ -332,7 +334,7 @@ void backward(ffi::ThreadPool& pool, Shape s, const float* q, const float* k, co
     dk_TH.assign(s.T * H, 0.0f);
     dv_TH.assign(s.T * H, 0.0f);
     for (int64_t g = 0; g < G; ++g)
-      backward_head<H>(q, out, lse, d_out, kv, b, s.N, kh * G + g, d_q, dk_TH.data(),
+      backward_head<H>(q, lse, d_out, kv, b, s.N, kh * G + g, d_q, dk_TH.data(),
                        dv_TH.data());
     for (int64_t t = 0; t < s.T; ++t) {
       const int64_t dst = ((b * s.T + t) * s.K + kh) * H;
@@ -356,14 +358,14 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out,
-                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_out,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> lse,
+                    ffi::Buffer<ffi::F32> d_out,
                     ffi::ResultBuffer<ffi::F32> d_q, ffi::ResultBuffer<ffi::F32> d_k,
                     ffi::ResultBuffer<ffi::F32> d_v) {
   Shape s;
   if (ffi::Error e = shape_of(q, k, v, s); e.failure()) return e;
   auto args = std::make_tuple(pool, s, q.typed_data(), k.typed_data(), v.typed_data(),
-                              out.typed_data(), lse.typed_data(), d_out.typed_data(),
+                              lse.typed_data(), d_out.typed_data(),
                               d_q->typed_data(), d_k->typed_data(), d_v->typed_data());
   if (s.H == 32) std::apply(backward<32>, args);
   else if (s.H == 64) std::apply(backward<64>, args);
@@ -385,7 +387,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GptJaxCausalAttentionForward, Forward,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GptJaxCausalAttentionBackward, Backward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -96,20 +96,20 @@ def _xla_backward(q_BTNH, k_BTKH, v_BTKH, d_out_BTNH):
 
 
 @jax.custom_jvp
-def _backward(q_BTNH, k_BTKH, v_BTKH, out_BTNH, lse_BNT, d_out_BTNH):
+def _backward(q_BTNH, k_BTKH, v_BTKH, lse_BNT, d_out_BTNH):
     """`(d_q, d_k, d_v)` from the backward kernel."""
     call = jax.ffi.ffi_call(BACKWARD, (jax.ShapeDtypeStruct(q_BTNH.shape, jnp.float32),
                                        jax.ShapeDtypeStruct(k_BTKH.shape, jnp.float32),
                                        jax.ShapeDtypeStruct(v_BTKH.shape, jnp.float32)),
                             vmap_method="sequential")
-    return tuple(call(q_BTNH, k_BTKH, v_BTKH, out_BTNH, lse_BNT, d_out_BTNH))
+    return tuple(call(q_BTNH, k_BTKH, v_BTKH, lse_BNT, d_out_BTNH))
 
 
 @_backward.defjvp
 def _backward_jvp(primals, tangents):
-    # out and lse are functions of q, k and v: differentiated through those alone.
-    q, k, v, _, _, d_out = primals
-    tq, tk, tv, _, _, td = tangents
+    # lse is a function of q and k: differentiated through those alone.
+    q, k, v, _, d_out = primals
+    tq, tk, tv, _, td = tangents
     return _backward(*primals), jax.jvp(_xla_backward, (q, k, v, d_out), (tq, tk, tv, td))[1]
 
 
@@ -125,8 +125,13 @@ def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) ->
     Returns:
       float32 `[B, T, N, H]`, equal to `gpt_jax.model.attend` with a causal mask to float
       rounding. The gradient is the backward kernel; past the first order (a Hessian-vector
-      product) the kernels are differentiated as the same attention in XLA ops. Under
-      `jax.vmap` the kernels run once per mapped element.
+      product) the kernels are differentiated as the same attention in XLA ops, when the
+      attention is traced directly or in unrolled layers (as the training loss runs them).
+      Inside a `lax.scan` that carries its input (`gpt_jax.model.forward` over stacked
+      layers), JAX inlines those rules when it first differentiates the scan and then
+      refuses the second derivative ("The FFI call ... cannot be differentiated"): take it
+      over `unstack_layers(params)` or with `GPT_JAX_CPU_KERNEL=0`. Under `jax.vmap` the
+      kernels run once per mapped element.
     Raises:
       ValueError: shapes other than the above (when traced).
     """
@@ -135,7 +140,7 @@ def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) ->
 
 def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH):
     out_BTNH, lse_BNT = _forward(q_BTNH, k_BTKH, v_BTKH)
-    return out_BTNH, (q_BTNH, k_BTKH, v_BTKH, out_BTNH, lse_BNT)
+    return out_BTNH, (q_BTNH, k_BTKH, v_BTKH, lse_BNT)
 
 
 def _causal_attention_bwd(residuals, d_out_BTNH):
