@@ -42,6 +42,20 @@ def _reference(q, k, v):
     return np.einsum("bnts,bsnh->btnh", probs, v)
 
 
+def _assert_gradients_equal_xla(gradient, q, k, v, what):
+    """`gradient(attention)(q, k, v)` -> (dq, dk, dv), jitted, with the kernels and with
+    XLA's `attend` (`_attend_causal_xla`), equal to 1e-5."""
+    got = jax.jit(gradient(cpu_causal_attention.causal_attention))(q, k, v)
+    want = jax.jit(gradient(model._attend_causal_xla))(q, k, v)
+    for name, g, w in zip("qkv", got, want):
+        assert_close(g, w, 1e-5, f"d{name}, {what}")
+
+
+def _weighted_sum_gradient(d_out):
+    return lambda attention: jax.grad(lambda q, k, v: (attention(q, k, v) * d_out).sum(),
+                                      argnums=(0, 1, 2))
+
+
 @pytest.mark.parametrize("B, T, K, H", [
     (3, 64, 4, 32),   # the nanogpt-cpu layer shape: multi-head
     (2, 67, 2, 64),   # grouped-query; T off the 4-row tiles and 8-key blocks
@@ -54,14 +68,7 @@ def test_kernels_equal_attention_forward_and_backward(B, T, K, H):
     out = jax.jit(cpu_causal_attention.causal_attention)(q, k, v)
     assert out.dtype == jnp.float32 and out.shape == q.shape
     assert_close(out, _reference(q, k, v), 2e-6, what)
-
-    def grads(attention):
-        return jax.jit(jax.grad(lambda q, k, v: (attention(q, k, v) * d_out).sum(),
-                                argnums=(0, 1, 2)))(q, k, v)
-
-    for name, got, want in zip("qkv", grads(cpu_causal_attention.causal_attention),
-                               grads(model._attend_causal_xla)):
-        assert_close(got, want, 1e-5, f"d{name}, {what}")
+    _assert_gradients_equal_xla(_weighted_sum_gradient(d_out), q, k, v, what)
 
 
 def test_vmapped_kernels_equal_each_element_alone():
@@ -96,16 +103,12 @@ def test_training_loss_and_gradients_are_the_same_without_the_kernels(monkeypatc
 
 def test_second_order_gradients_equal_xla_attention():
     q, k, v, d_out = _inputs(2, 9, 2, 32)
-    loss = lambda attention: lambda q, k, v: (attention(q, k, v) * d_out).sum()  # noqa: E731
 
-    def hessian_vector(attention):  # d/dq of <grad_q loss, q>, through both kernels
-        grad_q = jax.grad(loss(attention))
-        return jax.jit(jax.grad(lambda q, k, v: jnp.vdot(grad_q(q, k, v), q),
-                                argnums=(0, 1, 2)))(q, k, v)
+    def hessian_vector(attention):  # d/d(q, k, v) of <grad_q loss, q>, through both kernels
+        grad_q = lambda q, k, v: _weighted_sum_gradient(d_out)(attention)(q, k, v)[0]  # noqa: E731
+        return jax.grad(lambda q, k, v: jnp.vdot(grad_q(q, k, v), q), argnums=(0, 1, 2))
 
-    for name, got, want in zip("qkv", hessian_vector(cpu_causal_attention.causal_attention),
-                               hessian_vector(model._attend_causal_xla)):
-        assert_close(got, want, 1e-5, f"second-order d{name}")
+    _assert_gradients_equal_xla(hessian_vector, q, k, v, "second order")
 
 
 def test_huge_scores_stay_finite_and_exact():
@@ -114,14 +117,9 @@ def test_huge_scores_stay_finite_and_exact():
     out = jax.jit(cpu_causal_attention.causal_attention)(q, k, v)
     assert np.isfinite(np.asarray(out)).all()
     assert_close(out, _reference(q, k, v), 2e-6, "scores of 1e10")
-
-    def grads(attention):  # one-hot rows: dq is exactly 0 there, not rounding x 1e10
-        return jax.jit(jax.grad(lambda q, k, v: attention(q, k, v).sum(),
-                                argnums=(0, 1, 2)))(q, k, v)
-
-    for name, got, want in zip("qkv", grads(cpu_causal_attention.causal_attention),
-                               grads(model._attend_causal_xla)):
-        assert_close(got, want, 1e-5, f"d{name} at scores of 1e10")
+    # one-hot rows: dq is exactly 0 there, not rounding x 1e10
+    _assert_gradients_equal_xla(_weighted_sum_gradient(jnp.ones_like(q)), q, k, v,
+                                "scores of 1e10")
 
 
 def test_mixed_dtypes_take_xla_and_bad_shapes_are_refused_when_traced():
