@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -344,16 +345,24 @@ void backward(ffi::ThreadPool& pool, Shape s, const float* q, const float* k, co
   });
 }
 
+// fn(std::integral_constant<int64_t, H>) for head dim H (32, 64 or 128: shape_of refuses
+// others), so each kernel runs compiled for its H.
+template <typename Fn>
+void with_head_dim(int64_t H, Fn fn) {
+  if (H == 32) fn(std::integral_constant<int64_t, 32>{});
+  else if (H == 64) fn(std::integral_constant<int64_t, 64>{});
+  else fn(std::integral_constant<int64_t, 128>{});
+}
+
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                    ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> out,
                    ffi::ResultBuffer<ffi::F32> lse) {
   Shape s;
   if (ffi::Error e = shape_of(q, k, v, s); e.failure()) return e;
-  auto args = std::make_tuple(pool, s, q.typed_data(), k.typed_data(), v.typed_data(),
-                              out->typed_data(), lse->typed_data());
-  if (s.H == 32) std::apply(forward<32>, args);
-  else if (s.H == 64) std::apply(forward<64>, args);
-  else std::apply(forward<128>, args);
+  with_head_dim(s.H, [&](auto H) {
+    forward<H>(pool, s, q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(),
+               lse->typed_data());
+  });
   return ffi::Error::Success();
 }
 
@@ -364,12 +373,10 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::ResultBuffer<ffi::F32> d_v) {
   Shape s;
   if (ffi::Error e = shape_of(q, k, v, s); e.failure()) return e;
-  auto args = std::make_tuple(pool, s, q.typed_data(), k.typed_data(), v.typed_data(),
-                              lse.typed_data(), d_out.typed_data(),
-                              d_q->typed_data(), d_k->typed_data(), d_v->typed_data());
-  if (s.H == 32) std::apply(backward<32>, args);
-  else if (s.H == 64) std::apply(backward<64>, args);
-  else std::apply(backward<128>, args);
+  with_head_dim(s.H, [&](auto H) {
+    backward<H>(pool, s, q.typed_data(), k.typed_data(), v.typed_data(), lse.typed_data(),
+                d_out.typed_data(), d_q->typed_data(), d_k->typed_data(), d_v->typed_data());
+  });
   return ffi::Error::Success();
 }
 
