@@ -24,14 +24,14 @@ N, S, PAGE = 4, 24, 4  # rows of 24 slots: six pages of 4
 PAGES_PER_ROW = 6
 
 
-def _rows(K, lengths, dtype, H=8, seed=0):
-    """Queries `[B, K, G, H]`, each row's slots `[B, K, S, H]` per k and v, and the pools and
+def _rows(K, lengths, dtype, H=8, seed=0, heads=N):
+    """Queries `[B, K, G, H]` (G = heads / K), each row's slots `[B, K, S, H]` per k and v, and the pools and
     page tables that hold them: row b's pages at shuffled ids of a pool with spare pages.
     Slots past each row's length and every page no row owns hold NaN, which any read of
     them would carry into the output."""
     rng = np.random.default_rng(seed)
     B = len(lengths)
-    q = rng.normal(size=(B, K, N // K, H)).astype(np.float32)
+    q = rng.normal(size=(B, K, heads // K, H)).astype(np.float32)
     slots = [np.array(jnp.asarray(rng.normal(size=(B, K, S, H)), dtype).astype(jnp.float32))
              for _ in range(2)]
     for x in slots:
@@ -82,6 +82,18 @@ def test_kernel_batch_equals_full_attention_row_by_row(K, dtype, H):
             assert (np.asarray(lse[b]) <= -1e29).all(), what  # no slot: the mask value
         else:
             assert_close(lse[b], want_lse, 2e-5, what + " log-sum-exp")
+
+
+def test_runs_of_heads_that_cross_rows_equal_full_attention():
+    """The kernel hands each thread task a run of (row, kv head) items, B * K / 8 of them:
+    9 rows of 8 kv heads make runs of 9, so most tasks take the end of one row's heads and
+    the start of the next's."""
+    lengths = [0, 1, 3, 4, 5, 21, 23, 24, 25]
+    q, (k, v), (k_pool, v_pool), table = _rows(8, lengths, jnp.float32, 32, heads=8)
+    run = jax.jit(jax.vmap(cpu_attention.paged_decode_attention, in_axes=(0, None, None, 0, 0)))
+    out, _ = run(jnp.asarray(q), k_pool, v_pool, table, jnp.asarray(lengths, jnp.int32))
+    for b, length in enumerate(lengths):
+        assert_close(out[b], _reference(q[b], k[b], v[b], min(length, S))[0], 2e-6, f"row {b}")
 
 
 def test_kernel_runs_one_row_without_vmap():
