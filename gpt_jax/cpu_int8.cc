@@ -3,24 +3,24 @@
 // float32 activations, int8 weights with one float32 scale per output channel (symmetric
 // absmax quantization; gpt_jax/model.py `Int8Weight`). XLA:CPU would first widen the whole
 // int8 matrix to a float32 copy in memory and then run its float32 dot; a few-row (decode)
-// matmul is bound by reading the weights, so this kernel reads the int8 bytes once: eight
-// int8 weights are widened to float in a register (vpmovsxbd, vcvtdq2ps), multiplied into
-// the rows' accumulators with fused multiply-adds, and each channel's sum is scaled at the
-// end. Panels of channels are spread over XLA's intra-op thread pool.
+// matmul is bound by reading the weights, so this kernel reads the int8 bytes once: int8
+// weights are widened to float in a register (vpmovsxbd, vcvtdq2ps), multiplied into the
+// rows' accumulators with fused multiply-adds, and each channel's sum is scaled at the end.
+// Panels of channels are spread over XLA's intra-op thread pool.
 //
-// The weights come in panels of eight channels, w[P, I, 8] (P = ceil(O / 8), channels past
-// O zero): the eight weights of input i for eight channels are eight consecutive bytes, so
-// the kernel reads memory strictly in order (a panel is one stream, which the hardware
-// prefetcher follows; eight separate channel rows ran at half the speed here), and one
-// widened vector holds eight channels: the outer-product form, y[r, 8 channels] +=
-// x[r, i] * w[i, 8 channels], needs no horizontal sums and lets eight rows share each
-// widening.
+// The weights come in panels of sixteen channels, w[P, I, 16] (P = ceil(O / 16), channels
+// past O zero): the sixteen weights of input i for sixteen channels are consecutive bytes,
+// so the kernel reads memory strictly in order (a panel is one stream, which the hardware
+// prefetcher follows; separate channel rows ran at half the speed here), and one widened
+// 16-float register (two of 8 floats with AVX2) holds a panel's channels: the
+// outer-product form, y[r, 16 channels] += x[r, i] * w[i, 16 channels], needs no
+// horizontal sums and lets several rows share each widening.
 //
 // Arguments (M rows: the product of x's leading axes, which vmap adds), then one or more
 // weights that all multiply x (a layer's q, k and v projections: one call, one parallel
 // loop over the panels of all three):
 //   x      f32 [..., M, I]
-//   w      s8  [..., P, I, 8]  leading axes of size 1 (shared by every row, as vmap's
+//   w      s8  [..., P, I, 16] leading axes of size 1 (shared by every row, as vmap's
 //                              expand_dims passes them)
 //   scale  f32 [..., O]        as w
 // Results: per weight, y f32 [..., M, O].
@@ -33,7 +33,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__FMA__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -45,90 +45,132 @@ using namespace gpt_jax_kernels;
 
 namespace {
 
-constexpr int64_t kPanel = 8;  // channels per panel: one vector of eight floats
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead in a panel's bytes to prefetch
-constexpr int64_t kL1Bytes = 32768;  // the L1 data cache of a core
+constexpr int64_t kPanel = 16;  // output channels per panel
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in a panel's bytes to prefetch
 // Tasks per thread in a call: the threads claim them one by one, so the last one to finish
 // waits at most one task's time for the other.
 constexpr int64_t kTasksPerThread = 8;
 
+// The CPU's float vector, `fvec` of kLanes floats, and the tile it affords (see `panels`):
+// with AVX-512, one 16-float register holds a panel's 16 channels, and 32 registers hold
+// 24 accumulators (three panels by eight rows); with AVX2, a panel takes two 8-float
+// registers and 16 registers hold 12 (one panel by six rows).
+#if defined(__AVX512F__)
+typedef float fvec __attribute__((vector_size(64)));
+constexpr int kLanes = 16, kTilePanels = 3, kTileRows = 8;
+#else
+typedef f32x8 fvec;
+constexpr int kLanes = 8, kTilePanels = 1, kTileRows = 6;
+#endif
+constexpr int kVectors = kPanel / kLanes;  // vectors per panel
+constexpr int kAccumulators = kTilePanels * kVectors * kTileRows;
+
 typedef int8_t i8x8 __attribute__((vector_size(8)));
 
-inline f32x8 widen8(const int8_t* p) {  // eight int8, widened exactly
-#if defined(__AVX2__)
+inline fvec widen(const int8_t* p) {  // kLanes int8, widened exactly
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (fvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+#elif defined(__AVX2__)
   // vpmovsxbd + vcvtdq2ps: GCC scalarizes __builtin_convertvector from 8-byte vectors.
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  return (fvec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 #else
   i8x8 v;
   std::memcpy(&v, p, sizeof v);
-  return __builtin_convertvector(v, f32x8);
+  return __builtin_convertvector(v, fvec);
 #endif
 }
 
-inline f32x8 broadcast8(const float* p) {
-  f32x8 v = {*p, *p, *p, *p, *p, *p, *p, *p};  // vbroadcastss
-  return v;
+inline fvec broadcast(const float* p) {  // vbroadcastss from memory (`fvec{} + *p` added 0)
+#if defined(__AVX512F__)
+  return (fvec)_mm512_set1_ps(*p);
+#elif defined(__AVX__)
+  return (fvec)_mm256_set1_ps(*p);
+#else
+  return fvec{*p, *p, *p, *p, *p, *p, *p, *p};
+#endif
 }
 
 // acc + a * b, one rounding where the CPU has fused multiply-add (GCC does not contract
 // `acc + a * b` under -std=c++17).
-inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 acc) {
-#if defined(__FMA__)
-  return (f32x8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+inline fvec fma(fvec a, fvec b, fvec acc) {
+#if defined(__AVX512F__)
+  return (fvec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+  return (fvec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
 #else
   return acc + a * b;
 #endif
 }
 
-// R rows (stride I) times NP consecutive panels [I, 8] into out[NP, R, 8], unscaled. U
-// copies of the accumulators over consecutive inputs: a fused multiply-add takes ~4 cycles
-// before its sum can take the next, so few rows need several independent chains to keep
-// the core busy (NP * R * U accumulators, at most 12 of the 16 AVX registers).
+// Copies of the accumulators for NP panels by R rows (`panel_tile`'s U): a fused
+// multiply-add takes ~4 cycles before its sum can take the next, so few rows need several
+// independent chains to keep the core busy; at most four (one 64-byte line of each panel
+// per step).
+constexpr int copies(int NP, int R) {
+  return std::max(1, std::min(4, kAccumulators / (NP * kVectors * R)));
+}
+
+// R rows (stride I) times NP consecutive panels [I, 16] into out[NP, R, 16], unscaled: for
+// each input, the panels' weights are widened once and each row's input broadcast once,
+// y[r, channels] += x[r, i] * w[i, channels] (the outer-product form: no horizontal sums).
+// U copies of the accumulators over consecutive inputs.
 template <int NP, int R, int U>
 void panel_tile(const float* x, int64_t I, const int8_t* panel, float* out) {
-  f32x8 acc[U][NP][R];
+  fvec acc[U][NP][kVectors][R];
   for (int u = 0; u < U; ++u)
     for (int p = 0; p < NP; ++p)
-      for (int r = 0; r < R; ++r) acc[u][p][r] = f32x8{};
+      for (int v = 0; v < kVectors; ++v)
+        for (int r = 0; r < R; ++r) acc[u][p][v][r] = fvec{};
   const int64_t stride = I * kPanel;  // bytes from one panel to the next
   int64_t i = 0;
   for (; i + U <= I; i += U) {
-    // One cache line ahead every 64 bytes, 2 KB ahead: one thread streamed 14 -> 16 GB/s.
-    if ((i & 7) < U)
+    // One cache line per 64 bytes of each panel, 4 KB ahead (of 8-channel panels, 2 KB
+    // took one thread from 14 to 16 GB/s; 16-channel panels read twice the bytes per input,
+    // and 4 KB ran 1-3% faster than 2 KB at 1, 2 and 8 rows).
+    if (((i * kPanel) & 63) < U * kPanel)
       for (int p = 0; p < NP; ++p)
         __builtin_prefetch(panel + p * stride + i * kPanel + kPrefetchBytes);
     for (int u = 0; u < U; ++u) {
-      f32x8 w[NP];
-      for (int p = 0; p < NP; ++p) w[p] = widen8(panel + p * stride + (i + u) * kPanel);
+      fvec w[NP][kVectors];
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < kVectors; ++v)
+          w[p][v] = widen(panel + p * stride + (i + u) * kPanel + v * kLanes);
       for (int r = 0; r < R; ++r) {
-        const f32x8 xr = broadcast8(x + r * I + i + u);
-        for (int p = 0; p < NP; ++p) acc[u][p][r] = fma8(xr, w[p], acc[u][p][r]);
+        const fvec xr = broadcast(x + r * I + i + u);
+        for (int p = 0; p < NP; ++p)
+          for (int v = 0; v < kVectors; ++v) acc[u][p][v][r] = fma(xr, w[p][v], acc[u][p][v][r]);
       }
     }
   }
   for (; i < I; ++i) {
     for (int p = 0; p < NP; ++p) {
-      const f32x8 w = widen8(panel + p * stride + i * kPanel);
-      for (int r = 0; r < R; ++r) acc[0][p][r] = fma8(broadcast8(x + r * I + i), w, acc[0][p][r]);
+      for (int v = 0; v < kVectors; ++v) {
+        const fvec w = widen(panel + p * stride + i * kPanel + v * kLanes);
+        for (int r = 0; r < R; ++r)
+          acc[0][p][v][r] = fma(broadcast(x + r * I + i), w, acc[0][p][v][r]);
+      }
     }
   }
   for (int p = 0; p < NP; ++p) {
-    for (int r = 0; r < R; ++r) {
-      f32x8 total = acc[0][p][r];
-      for (int u = 1; u < U; ++u) total += acc[u][p][r];
-      std::memcpy(out + (p * R + r) * kPanel, &total, sizeof total);
+    for (int v = 0; v < kVectors; ++v) {
+      for (int r = 0; r < R; ++r) {
+        fvec total = acc[0][p][v][r];
+        for (int u = 1; u < U; ++u) total += acc[u][p][v][r];
+        std::memcpy(out + (p * R + r) * kPanel + v * kLanes, &total, sizeof total);
+      }
     }
   }
 }
 
-// Rows [r0, r0 + R) times panels [p, p + NP): y[r, 8q + j] = scale[8q + j] *
+// Rows [r0, r0 + R) times panels [p, p + NP): y[r, 16q + j] = scale[16q + j] *
 // sum_i x[r, i] w[q, i, j] for each panel q's channels below O.
-template <int NP, int R, int U>
+template <int NP, int R>
 void rows_by_panels(const float* x, const int8_t* w, const float* scale, int64_t I, int64_t O,
                     int64_t r0, int64_t p, float* y) {
   float out[NP * R * kPanel];
-  panel_tile<NP, R, U>(x + r0 * I, I, w + p * I * kPanel, out);
+  panel_tile<NP, R, copies(NP, R)>(x + r0 * I, I, w + p * I * kPanel, out);
   for (int q = 0; q < NP; ++q) {
     const int64_t c0 = (p + q) * kPanel, n = std::min(kPanel, O - c0);
     for (int r = 0; r < R; ++r)
@@ -137,82 +179,51 @@ void rows_by_panels(const float* x, const int8_t* w, const float* scale, int64_t
   }
 }
 
-// Rows [r, r1) times panel p, in tiles of eight rows (eight accumulators: each widened
-// weight vector serves eight multiply-adds), then the rows left over.
-void rows_by_panel(const float* x, const int8_t* w, const float* scale, int64_t I, int64_t O,
-                   int64_t r, int64_t r1, int64_t p, float* y) {
-  for (; r + 8 <= r1; r += 8) rows_by_panels<1, 8, 1>(x, w, scale, I, O, r, p, y);
-  switch (r1 - r) {
-    case 7: rows_by_panels<1, 7, 1>(x, w, scale, I, O, r, p, y); break;
-    case 6: rows_by_panels<1, 6, 2>(x, w, scale, I, O, r, p, y); break;
-    case 5: rows_by_panels<1, 5, 2>(x, w, scale, I, O, r, p, y); break;
-    case 4: rows_by_panels<1, 4, 2>(x, w, scale, I, O, r, p, y); break;
-    case 3: rows_by_panels<1, 3, 4>(x, w, scale, I, O, r, p, y); break;
-    case 2: rows_by_panels<1, 2, 4>(x, w, scale, I, O, r, p, y); break;
-    case 1: rows_by_panels<1, 1, 4>(x, w, scale, I, O, r, p, y); break;
-    default: break;
+// Rows [r, r1) times panels [p, p + NP): tiles of kTileRows rows, then the rows left over
+// as one tile of their number (R, below kTileRows, from the template recursion).
+template <int NP, int R = 1>
+void rows_left(const float* x, const int8_t* w, const float* scale, int64_t I, int64_t O,
+               int64_t r, int64_t r1, int64_t p, float* y) {
+  if constexpr (R < kTileRows) {
+    if (r1 - r == R) return rows_by_panels<NP, R>(x, w, scale, I, O, r, p, y);
+    rows_left<NP, R + 1>(x, w, scale, I, O, r, r1, p, y);
   }
 }
 
-// Rows [r, r1), fewer than six, times the pair of panels p and p + 1: as many copies of
-// the accumulators as fit (`panel_tile`'s U), at most twelve.
-void rows_by_panel_pair(const float* x, const int8_t* w, const float* scale, int64_t I,
-                        int64_t O, int64_t r, int64_t r1, int64_t p, float* y) {
-  switch (r1 - r) {
-    case 5: rows_by_panels<2, 5, 1>(x, w, scale, I, O, r, p, y); break;
-    case 4: rows_by_panels<2, 4, 1>(x, w, scale, I, O, r, p, y); break;
-    case 3: rows_by_panels<2, 3, 2>(x, w, scale, I, O, r, p, y); break;
-    case 2: rows_by_panels<2, 2, 3>(x, w, scale, I, O, r, p, y); break;
-    case 1: rows_by_panels<2, 1, 6>(x, w, scale, I, O, r, p, y); break;
-    default: break;
-  }
+template <int NP>
+void rows(const float* x, const int8_t* w, const float* scale, int64_t I, int64_t O, int64_t r,
+          int64_t r1, int64_t p, float* y) {
+  for (; r + kTileRows <= r1; r += kTileRows)
+    rows_by_panels<NP, kTileRows>(x, w, scale, I, O, r, p, y);
+  rows_left<NP>(x, w, scale, I, O, r, r1, p, y);
 }
 
-// Vector registers the compiler may use: 32 with AVX-512VL (which also encodes eight-float
-// operations on registers 16-31), else AVX2's 16.
-#if defined(__AVX512VL__)
-constexpr int kVectorRegisters = 32;
-#else
-constexpr int kVectorRegisters = 16;
-#endif
-
-// Panels per task are a multiple of this, so a task's panels split into whole pairs and
-// whole triples (see `panels`).
-constexpr int64_t kPanelGroup = 6;
-
-// Panels [p0, p1) for every row. With a dozen rows or more (a prefill), pairs of panels by
-// six rows: twelve accumulators, each widened weight vector serving six multiply-adds, ran
-// at 190 GFLOP/s on 2 cores here (the FMA peak) against 163 for one panel by eight rows;
-// the rows left over by the same pair of panels (`rows_by_panel_pair`). Eight to eleven
-// rows (a batch-8 decode step) with 32 vector registers: three panels by eight rows
-// (24 accumulators; each broadcast input serves three multiply-adds, each widened weight
-// vector eight), on one Zen 4 core 91-95 GFLOP/s against 76-93 panel by panel for 768
-// inputs and 103 against 100 for 3072 (pairs of panels by six rows, then by two). Without
-// them, six to eleven rows whose inputs overflow the L1 cache take pairs of panels: eight
-// rows of 3072 inputs (the MLP's second matrix) ran at 87 GFLOP/s on one core as six and
-// two rows by pairs of panels, 74 panel by panel (`rows_by_panel`: eight rows' inputs from
-// L2 per weight vector); of 768 inputs, 80-85 panel by panel, 2-4% above the pairs. Fewer
-// rows (a batch-1 decode step), and the panels left over, panel by panel.
+// Panels [p0, p1) for every row, in tiles of kTilePanels panels by kTileRows rows: each
+// widened weight vector serves kTileRows multiply-adds and each broadcast input
+// kTilePanels * kVectors. Rows go in blocks whose inputs stay in L2 (~256 KB) while this
+// task's panels stream by; the panels left over, and every panel for one or two rows (a
+// decode step of one or two sequences: bound by reading the weights), one at a time.
+//
+// Measured with AVX-512 on Zen 4 (115 GFLOP/s FMA peak per core), against the previous
+// kernel (8-channel panels in 8-float registers, three panels by eight rows with 32
+// registers), old and new builds alternated in one process over GPT-2's 49 decode
+// matmuls: 1.10x at 8 rows (154 -> 170 GFLOP/s on 2 cores), 1.17x at 64, 1.22x at 512 (a
+// prefill), 1.01-1.06x at 1, 2 and 4 rows; one core from memory at 8 rows, 78-89 -> 94-103
+// GFLOP/s (both ~105-110 with the weights in L2): the wider registers halve the
+// instructions per multiply-add, so the core keeps more of the stream in flight. One or two
+// rows ran 1.14x and 1.20x faster panel by panel than three panels at a time. With AVX2
+// only (`-mno-avx512f`): 1.03x, 1.06x, 1.01x at 1, 8 and 64 rows.
 void panels(const float* x, const int8_t* w, const float* scale, int64_t M, int64_t I,
             int64_t O, int64_t p0, int64_t p1, float* y) {
-  // Rows in blocks whose inputs stay in L2 (~256 KB) while this task's panels stream by.
-  const int64_t block = std::max<int64_t>(12, 65536 / std::max<int64_t>(I, 1) / 6 * 6);
+  const int64_t block = std::max<int64_t>(
+      2 * kTileRows, 65536 / std::max<int64_t>(I, 1) / kTileRows * kTileRows);
   for (int64_t b0 = 0; b0 < M; b0 += block) {
-    const int64_t b1 = std::min(M, b0 + block), rows = b1 - b0;
+    const int64_t b1 = std::min(M, b0 + block);
     int64_t p = p0;
-    if (kVectorRegisters >= 32 && rows >= 8 && rows < 12) {
-      for (; p + 3 <= p1; p += 3) {
-        rows_by_panels<3, 8, 1>(x, w, scale, I, O, b0, p, y);
-        for (int64_t q = p; q < p + 3; ++q) rows_by_panel(x, w, scale, I, O, b0 + 8, b1, q, y);
-      }
-    } else if (rows >= 12 || (rows >= 6 && rows * I * 4 > kL1Bytes)) {
-      for (; p + 2 <= p1; p += 2) {
-        int64_t r = b0;
-        for (; r + 6 <= b1; r += 6) rows_by_panels<2, 6, 1>(x, w, scale, I, O, r, p, y);
-        rows_by_panel_pair(x, w, scale, I, O, r, b1, p, y);
-      }
-    }
-    for (; p < p1; ++p) rows_by_panel(x, w, scale, I, O, b0, b1, p, y);
+    if (b1 - b0 > 2)
+      for (; p + kTilePanels <= p1; p += kTilePanels)
+        rows<kTilePanels>(x, w, scale, I, O, b0, b1, p, y);
+    for (; p < p1; ++p) rows<1>(x, w, scale, I, O, b0, b1, p, y);
   }
 }
 
@@ -242,10 +253,10 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     if (y.has_error()) return y.error();
     auto w_dims = w->dimensions(), s_dims = scale->dimensions();
     if (w_dims.size() < 3 || s_dims.size() < 1 || w_dims[w_dims.size() - 1] != kPanel)
-      return ffi::Error::InvalidArgument("w must be [..., P, I, 8] and scale [..., O]");
+      return ffi::Error::InvalidArgument("w must be [..., P, I, 16] and scale [..., O]");
     const int64_t P = w_dims[w_dims.size() - 3], O = s_dims[s_dims.size() - 1];
     if (w_dims[w_dims.size() - 2] != I || P != (O + kPanel - 1) / kPanel)
-      return ffi::Error::InvalidArgument("w must be [ceil(O / 8), I, 8] for x's I and scale's O");
+      return ffi::Error::InvalidArgument("w must be [ceil(O / 16), I, 16] for x's I and scale's O");
     if (w->element_count() != P * I * kPanel || scale->element_count() != O)
       return ffi::Error::InvalidArgument(
           "w and scale must be shared by all rows (leading axes 1)");
@@ -263,7 +274,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   for (auto& m : matrices) panels_in_all += m.P;
   int64_t per_task = std::max<int64_t>(
       1, panels_in_all / (kTasksPerThread * std::max<int64_t>(1, pool.num_threads())));
-  per_task = (per_task + kPanelGroup - 1) / kPanelGroup * kPanelGroup;
+  per_task = (per_task + kTilePanels - 1) / kTilePanels * kTilePanels;
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (matrix, first panel)
   for (size_t k = 0; k < matrices.size(); ++k)
     for (int64_t p = 0; p < matrices[k].P; p += per_task) tasks.emplace_back(k, p);

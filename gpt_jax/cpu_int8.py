@@ -43,8 +43,8 @@ def use_kernel() -> bool:
 
 
 def int8_matmul(x_MI: jax.Array, values_PIJ: jax.Array, scale_O: jax.Array) -> jax.Array:
-    """`x @ w^T` for the int8 weight `w[o, i] = values[o // 8, i, o % 8] * scale[o]` on CPU:
-    float32 `[M, I]` by int8 panels `[ceil(O / 8), I, 8]` (`gpt_jax.model.Int8Weight`) with a
+    """`x @ w^T` for the int8 weight `w[o, i] = values[o // 16, i, o % 16] * scale[o]` on CPU:
+    float32 `[M, I]` by int8 panels `[ceil(O / 16), I, 16]` (`gpt_jax.model.Int8Weight`) with a
     float32 scale per output channel `[O]` -> float32 `[M, O]`. Call only when `available()`.
 
     Each output is `scale[o] * sum_i x[m, i] w[o, i]`, summed in float32 with fused

@@ -108,19 +108,19 @@ class Int8Weight:
     weight-only symmetric absmax quantization, per output channel (the weight half of
     LLM.int8()'s vector-wise quantization, Dettmers et al. 2022, without its outlier
     decomposition; per-channel symmetric int8 weights as in Wu et al. 2020, "Integer
-    Quantization for Deep Learning Inference"). `w[o, i] ~ values[o // 8, i, o % 8] *
+    Quantization for Deep Learning Inference"). `w[o, i] ~ values[o // 16, i, o % 16] *
     scale[o]`, with `scale[o] = max_i |w[o, i]| / 127`: each weight is off by at most half a
     step, `|error| <= scale[o] / 2`, and a quarter of the float32 bytes is read per use.
 
-    The values are in panels of eight output channels, `[ceil(O / 8), I, 8]` (channels past
-    O are zero): the eight weights of one input for eight channels are consecutive, which
+    The values are in panels of sixteen output channels, `[ceil(O / 16), I, 16]` (channels
+    past O are zero): the weights of one input for a panel's channels are consecutive, which
     is how the CPU kernel (`gpt_jax.cpu_int8`) reads memory in order. `linear` and the
     embedding lookups (`embed`) take one; `gpt_jax.params.quantize` makes them.
     """
 
-    values_PIJ: jax.Array  # int8 [ceil(O / 8), I, 8], output channel o at [o // 8, :, o % 8]
+    values_PIJ: jax.Array  # int8 [ceil(O / 16), I, 16], channel o at [o // 16, :, o % 16]
     scale_O: jax.Array  # float32 [O], the step of channel o
-    PANEL = 8  # output channels per panel (a class constant, not a field)
+    PANEL = 16  # output channels per panel (a class constant, not a field)
 
     @classmethod
     def quantize(cls, w_OI: jax.Array) -> Int8Weight:

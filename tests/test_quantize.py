@@ -61,10 +61,10 @@ def _matrix(O, I, seed=0):
 def test_each_weight_is_within_half_a_step_of_its_channel():
     w = _matrix(29, 37)
     q = Int8Weight.quantize(jnp.asarray(w))
-    assert q.values_PIJ.dtype == jnp.int8 and q.values_PIJ.shape == (4, 37, 8)
+    assert q.values_PIJ.dtype == jnp.int8 and q.values_PIJ.shape == (2, 37, 16)
     assert q.scale_O.dtype == jnp.float32 and q.shape == (29, 37)
     values = np.asarray(q.values_PIJ)
-    assert np.abs(values).max() == 127 and (values.reshape(-1, 37, 8)[-1, :, 5:] == 0).all()
+    assert np.abs(values).max() == 127 and (values[-1, :, 13:] == 0).all()
     scale = np.asarray(q.scale_O)
     assert scale[1] == 0 and np.allclose(scale, np.abs(w).max(1) / 127)
     error = np.abs(np.asarray(q.dequantize()) - w)
@@ -80,14 +80,15 @@ def _quantized(O, I):
 
 
 @pytest.mark.parametrize("M,I,O", [
-    (1, 37, 29), (3, 37, 29), (8, 37, 29), (13, 37, 29),  # 1 row, a partial tile, a full one
-    (15, 37, 29), (17, 37, 29),  # pairs of panels by six rows and the 3 or 5 left over
-    (8, 1100, 40),  # 8 rows whose inputs overflow L1: by pairs of panels, 6 rows and 2
-    # (or, with 32 vector registers, by triples of panels and 8 rows: then also 11 rows,
-    # 3 of them left over, and 25 panels, one of them left over)
-    (11, 64, 96), (10, 64, 200),
-    (1, 64, 96), (13, 64, 96), (40, 64, 96),  # 40: pairs of panels by six rows, and the rest
-    (1, 96, 50257), (8, 96, 50257),  # GPT-2's vocabulary: 6283 panels, the last one partial
+    # Tiles (cpu_int8.cc `panels`): three 16-channel panels by eight rows with AVX-512, one
+    # panel by six rows with AVX2; one or two rows panel by panel; rows left over as a
+    # smaller tile, panels left over one at a time.
+    (1, 37, 29), (2, 37, 29), (3, 37, 29), (8, 37, 29), (13, 37, 29),  # 2 panels: left over
+    (15, 37, 29), (17, 37, 29),  # whole tiles of rows and the 7, 1, 3 or 5 left over
+    (8, 1100, 40), (60, 1100, 40),  # inputs past L1; 60 rows: blocks of 56 (54) rows
+    (11, 64, 96), (10, 64, 200),  # 13 panels: 4 whole tiles and one left over
+    (1, 64, 96), (2, 64, 200), (40, 64, 96),
+    (1, 96, 50257), (8, 96, 50257),  # GPT-2's vocabulary: 3142 panels, the last one partial
 ])
 def test_kernel_equals_xla_and_both_stay_within_the_rounding_bound(M, I, O, monkeypatch):
     assert cpu_int8.available(), "the CPU int8 kernel did not build"
@@ -140,7 +141,7 @@ def test_decode_reads_int8_weights_through_the_kernel_and_equals_the_xla_path(mo
     decoded = _decode_logits(params, SMALL, tokens, hlo)
     # per layer q, k and v (one call), o, MLP in and out; then the output projection
     assert hlo[0].count('custom_call_target="gpt_jax_int8_matmul"') == 4 * SMALL.n_layers + 1
-    panels = set(re.findall(r"s8\[(\d+,\d+,8)\]", hlo[0]))  # the int8 weights [P, I, 8]
+    panels = set(re.findall(r"s8\[(\d+,\d+,16)\]", hlo[0]))  # the int8 weights [P, I, 16]
     assert len(panels) >= 4 and not [p for p in panels if f"f32[{p}]" in hlo[0]], panels
     monkeypatch.setattr(cpu_int8, "available", lambda: False)
     run_xla = jax.jit(lambda p, t: forward.__wrapped__(p, t, SMALL))  # traced anew: XLA's path
