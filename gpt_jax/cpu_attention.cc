@@ -56,18 +56,19 @@ struct Pool {
   const T* data;
   const int32_t* page_table;
   int64_t num_pages, K, P, H, M;
+
+  const T* slots(int64_t page, int64_t k) const { return data + ((page * K + k) * P) * H; }
 };
 
-// fn(slots, s, n) for each run of consecutive slots [s, s + n) of row b, kv head k that lies
-// in [0, length), page by page; `slots` points at slot s, [n, H]. A page table entry
-// outside the pool ends the row.
+// fn(page, s, n) for each page of row b, in order, holding its slots [s, s + n) of
+// [0, length). A page table entry outside the pool ends the row.
 template <typename T, typename Fn>
-void for_each_run(const Pool<T>& pool, int64_t b, int64_t k, int64_t length, Fn fn) {
+void for_each_page(const Pool<T>& pool, int64_t b, int64_t length, Fn fn) {
   for (int64_t i = 0, s = 0; i < pool.M && s < length; ++i) {
     const int64_t page = pool.page_table[b * pool.M + i];
     if (page < 0 || page >= pool.num_pages) return;
     const int64_t n = std::min<int64_t>(pool.P, length - s);
-    fn(pool.data + ((page * pool.K + k) * pool.P) * pool.H, s, n);
+    fn(page, s, n);
     s += n;
   }
 }
@@ -93,7 +94,8 @@ void attend_one(const float* q_GH, const Pool<T>& keys, const Pool<T>& values, i
   scores_GS.resize(G * length);
   const float scale = 1.0f / std::sqrt(float(H));
 
-  for_each_run(keys, b, k, length, [&](const T* k_SH, int64_t s, int64_t n) {
+  for_each_page(keys, b, length, [&](int64_t page, int64_t s, int64_t n) {
+    const T* k_SH = keys.slots(page, k);
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t g = 0; g < G; ++g) {
         float dot = 0.0f;
@@ -111,7 +113,8 @@ void attend_one(const float* q_GH, const Pool<T>& keys, const Pool<T>& values, i
     for (int64_t s = 0; s < length; ++s) row[s] /= total;
     lse_G[g] = max + std::log(total);
   }
-  for_each_run(values, b, k, length, [&](const T* v_SH, int64_t s, int64_t n) {
+  for_each_page(values, b, length, [&](int64_t page, int64_t s, int64_t n) {
+    const T* v_SH = values.slots(page, k);
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t g = 0; g < G; ++g) {
         const float prob = scores_GS[g * length + s + i];
@@ -146,14 +149,10 @@ void attend_heads(const float* q_KGH, const Pool<T>& keys, const Pool<T>& values
   for (int64_t j = 0; j < heads; ++j) state[2 * j] = kNoScore;
   const float scale = 1.0f / std::sqrt(float(H));
   float scores[256];
-  for (int64_t i = 0, s = 0; i < keys.M && s < length; ++i) {
-    const int64_t page = keys.page_table[b * keys.M + i];
-    if (page < 0 || page >= keys.num_pages) break;
-    const int64_t n = std::min<int64_t>(keys.P, length - s);
-    s += n;
+  for_each_page(keys, b, length, [&](int64_t page, int64_t, int64_t n) {
     for (int64_t k = k0; k < k1; ++k) {
-      const T* k_SH = keys.data + ((page * keys.K + k) * keys.P) * H;
-      const T* v_SH = values.data + ((page * keys.K + k) * keys.P) * H;
+      const T* k_SH = keys.slots(page, k);
+      const T* v_SH = values.slots(page, k);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t j = (k - k0) * G + g;
         f32x8 q[C];
@@ -199,7 +198,7 @@ void attend_heads(const float* q_KGH, const Pool<T>& keys, const Pool<T>& values
         }
       }
     }
-  }
+  });
   for (int64_t k = k0; k < k1; ++k) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t j = (k - k0) * G + g;
