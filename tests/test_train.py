@@ -25,7 +25,8 @@ from gpt_jax.params import init_params
 from training import data, report, sharding
 from training import train as T
 from training.config import TRAIN_PRESETS, TrainConfig
-from training.step import TrainState, evaluate, loss_fn, make_optimizer, make_train_step
+from training.step import (TrainState, evaluate, loss_fn, make_optimizer, make_train_step,
+                           make_train_steps)
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the king queen lord speaks night day love death sword crown heart blood gentle "
@@ -240,18 +241,18 @@ def test_a_time_budget_ends_the_learning_rate_schedule_with_the_run(corpus, tmp_
     budget and the run stopped before the fit."""
     clock = [0.0]
     monkeypatch.setattr(T, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    make_train_step = T.make_train_step
+    make_train_steps = T.make_train_steps
 
     def five_ms(*args, **kwargs):
-        step = make_train_step(*args, **kwargs)
+        steps = make_train_steps(*args, **kwargs)
 
-        def timed_step(*step_args):
-            clock[0] += 0.005
-            return step(*step_args)
+        def timed_steps(state, x, y, n):
+            clock[0] += 0.005 * int(n)
+            return steps(state, x, y, n)
 
-        return timed_step
+        return timed_steps
 
-    monkeypatch.setattr(T, "make_train_step", five_ms)
+    monkeypatch.setattr(T, "make_train_steps", five_ms)
     budget = 8.0
     cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "budget"),
                              max_steps=100_000, warmup_steps=T.FIT_STEPS,
@@ -281,30 +282,32 @@ def test_a_run_that_slows_down_fits_its_schedule_again(corpus, tmp_path, monkeyp
     warmup's fit alone stopped the run at a quarter of its schedule."""
     clock = [0.0]
     monkeypatch.setattr(T, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    calls = [0]
-    make_train_step = T.make_train_step
+    done = [0]
+    make_train_steps = T.make_train_steps
 
     def slowing(*args, **kwargs):
-        step = make_train_step(*args, **kwargs)
+        steps = make_train_steps(*args, **kwargs)
 
-        def slow_step(*step_args):
-            calls[0] += 1
-            clock[0] += 0.005 if calls[0] <= T.FIT_STEPS + 1 else 0.025  # +1: the compile
-            return step(*step_args)
+        def slow_steps(state, x, y, n):
+            for _ in range(int(n)):
+                done[0] += 1
+                clock[0] += 0.005 if done[0] <= T.FIT_STEPS else 0.025
+            return steps(state, x, y, n)
 
-        return slow_step
+        return slow_steps
 
-    monkeypatch.setattr(T, "make_train_step", slowing)
+    monkeypatch.setattr(T, "make_train_steps", slowing)
     cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
                              max_steps=100_000, warmup_steps=T.FIT_STEPS, eval_interval=25,
                              time_budget_s=8.0)
     summary = T.train(cfg)
     fits = [(int(a), int(b)) for a, b in
             re.findall(r"max_steps (\d+) -> (\d+)", capsys.readouterr().out)]
-    # 8 s at 5.25 ms a step (the 5% margin); then the rest at 26.25 ms
-    assert fits == [(100_000, 1525), (1525, 346)], fits
+    # 8 s at 5.25 ms a step (the 5% margin); then, at the evaluation at step 75 (0.875 s in,
+    # the recompiling one-step call at step 50 taking 25 ms), 7.1 s left at 26.25 ms: 270 more
+    assert fits == [(100_000, 1525), (1525, 345)], fits
     final = json.loads((tmp_path / "run" / "train_config.json").read_text())["max_steps"]
-    assert summary["steps"] == summary["max_steps"] == final == 346, summary
+    assert summary["steps"] == summary["max_steps"] == final == 345, summary
     assert clock[0] <= cfg.time_budget_s
 
 
@@ -387,6 +390,34 @@ def test_loss_is_next_token_cross_entropy_at_every_position():
     _, step_loss = _one_step(TrainConfig.preset("tiny"), config, x[None], y[None],
                                 optax.sgd(0.0))
     assert_close(step_loss, expected.mean(), 1e-5, "train step loss")
+
+
+def test_steps_in_one_call_equal_the_same_steps_one_call_each():
+    """`make_train_steps` (the loop's, `steps_per_call` steps in one program) runs the first
+    n of K batches: the same losses and params as n calls of `make_train_step` (to float32
+    rounding: XLA fuses the loop's body its own way), a 0 loss and nothing else from the
+    batches past n (here garbage: out-of-range token ids)."""
+    cfg = TrainConfig.preset("tiny")
+    config = GPTConfig.preset("tiny")
+    optimizer = make_optimizer(cfg)
+    x = np.random.default_rng(0).integers(0, config.vocab_size, (4, 1, 2, 16)).astype(np.int32)
+    y = np.roll(x, -1, axis=3)
+    x[3], y[3] = -7, config.vocab_size + 5
+
+    def fresh():
+        params = init_params(config, jax.random.key(0))
+        return TrainState(params, optimizer.init(params))
+
+    state, step = fresh(), make_train_step(config, optimizer)
+    losses = []
+    for k in range(3):
+        state, loss = step(state, x[k], y[k])
+        losses.append(float(loss))
+    called, losses_K = make_train_steps(config, optimizer)(fresh(), x, y, np.int32(3))
+    assert_close(losses_K[:3], np.array(losses), 1e-6, "losses")
+    assert float(losses_K[3]) == 0.0
+    for a, b in zip(jax.tree.leaves(called), jax.tree.leaves(state)):
+        assert_close(a, b, 1e-5, "params and optimizer state after 3 steps")
 
 
 def test_gradient_accumulation_equals_one_big_batch():

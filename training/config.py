@@ -42,6 +42,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clipping; 0 = off
     compute_dtype: str = "float32"  # "bfloat16": bf16 matmuls, float32 master weights
     eval_interval: int = 500  # steps between val-loss evaluations and checkpoints
+    # optimizer steps per call of the compiled step: one XLA program runs them, and the loop
+    # reads their losses and checks the time budget once a call (calls end at evaluations,
+    # at the budget fit and at max_steps)
+    steps_per_call: int = 10
     eval_batches: int = 16  # batches per evaluation
     sample_tokens: int = 100  # tokens sampled and printed at each evaluation; 0 = none
     seed: int = 0  # parameter init and data order
@@ -60,8 +64,8 @@ class TrainConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"TrainConfig.{f.name} must be a finite number, got {value}")
-        positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches",
-                    "keep_checkpoints", "learning_rate")
+        positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "steps_per_call",
+                    "eval_batches", "keep_checkpoints", "learning_rate")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")

@@ -45,7 +45,7 @@ from gpt_jax.params import param_count
 from gpt_jax.tokenizer import BPETokenizer, CharTokenizer
 from training import data, distributed, report, sharding
 from training.config import TRAIN_PRESETS, TrainConfig
-from training.step import TrainState, evaluate, init_state, make_optimizer, make_train_step
+from training.step import TrainState, evaluate, init_state, make_optimizer, make_train_steps
 
 
 # With a time budget, max_steps is fitted to it after the first FIT_STEPS steps (or at the end
@@ -202,8 +202,8 @@ def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
               f"peak {peak / 1e9:.0f} GFLOP/s")
 
     def make_step(cfg: TrainConfig):  # a new max_steps only moves the schedule's end
-        return make_train_step(config, make_optimizer(cfg), jnp.dtype(cfg.compute_dtype),
-                               shardings)
+        return make_train_steps(config, make_optimizer(cfg), jnp.dtype(cfg.compute_dtype),
+                                shardings)
 
     loop = Loop(cfg, config, tokenizer, batches, mesh, mngr, flops_per_token, peak, elapsed0,
                 started)
@@ -223,19 +223,22 @@ class Loop:
         self.mesh, self.mngr, self.flops_per_token, self.peak = mesh, mngr, flops_per_token, peak
         self.elapsed0, self.train_seconds, self.steps_run = elapsed0, 0.0, 0
         self.step, self.loss, self.losses, self.evals = 0, math.nan, [], {}
-        self.step_times = []  # every step's wall time since the last evaluation
-        self.next_batch = (-1, None)  # (step, (x, y)) placed ahead of its step
+        self.step_times = []  # every step's wall time since the last evaluation (a call's
+        # wall time over its steps)
+        self.next_batch = (-1, None)  # (step, (x, y)): a call's batches, placed ahead of it
         self.saved_step, self.primary = None, distributed.is_primary()
         self.started = started  # perf_counter() when the run began: the budget counts from it
-        self.step_s = 0.0  # the last step's wall time, a step that compiles left out
+        self.step_s = 0.0  # the last call's wall time per step, a call that compiles left out
         self.finish_s = 0.0  # the last evaluation + checkpoint's: what ending the run takes
-        # the longest step that compiled (the first, one after a fit); the last FIT_STEPS others'
+        # the longest call that compiled (the first, one after a fit); the last FIT_STEPS
+        # other steps' (per step of their calls)
         self.compile_s, self.fit_times = 0.0, collections.deque(maxlen=FIT_STEPS)
-        self.compile_step = None  # the step that compiles: the first, and the first after a fit
+        self.compile_step = None  # the step whose call compiles: the first, the first after a fit
+        self.fit_at = None  # the step of the first fit to the budget (None: no fit)
 
     def run(self, make_step, state: TrainState, start, on_eval) -> TrainState:
-        """Train from step `start` with `make_step(cfg)`'s jitted step (made again when
-        `fit_to_budget` moves max_steps).
+        """Train from step `start` with `make_step(cfg)`'s jitted `train_steps` (made again
+        when `fit_to_budget` moves max_steps), `call_steps` steps a call.
 
         Raises RunAborted (with where to resume) when a step fails in a multi-process
         run: that is how another process stopping shows on this one."""
@@ -243,19 +246,20 @@ class Loop:
         self.step = self.saved_step = self.compile_step = start
         if cfg.time_budget_s and start < cfg.max_steps:
             self.warm_up(state)
-        train_step = make_step(cfg)
-        fit_at = min(cfg.warmup_steps, start + FIT_STEPS)
-        if not (cfg.time_budget_s and fit_at - start > FIT_MIN_STEPS):
-            fit_at = None  # no budget, or too little warmup left to measure in
+        train_steps = make_step(cfg)
+        self.fit_at = min(cfg.warmup_steps, start + FIT_STEPS)
+        if not (cfg.time_budget_s and self.fit_at - start > FIT_MIN_STEPS):
+            self.fit_at = None  # no budget, or too little warmup left to measure in
         bar = tqdm(initial=start, total=cfg.max_steps, unit="step", file=sys.stdout,
                    mininterval=1.0, disable=not self.primary)
         step = start
         while step < self.cfg.max_steps:
+            n = self.call_steps(step)
             try:
-                state, stop = self.one_step(train_step, state, step, start, bar, on_eval)
-                if not stop and self.fit_due(fit_at) and self.fit_to_budget(
-                        bar, first=self.step == fit_at):
-                    train_step = make_step(self.cfg)
+                state, stop = self.run_call(train_steps, state, step, n, start, bar, on_eval)
+                if not stop and self.fit_due() and self.fit_to_budget(
+                        bar, first=self.step == self.fit_at):
+                    train_steps = make_step(self.cfg)
             except Exception as error:
                 if jax.process_count() == 1:
                     raise
@@ -266,18 +270,31 @@ class Loop:
                     "with the same command: the run resumes from the last complete "
                     f"checkpoint in {self.mngr.directory} (this process saved up to step "
                     f"{self.saved_step})") from error
-            bar.update()
-            step += 1
+            bar.update(n)
+            step += n
             if stop:
                 break
         bar.close()
         return state
 
-    def fit_due(self, fit_at: int | None) -> bool:
-        """Whether to fit max_steps to the budget after this step: at `fit_at` (None: no
+    def call_steps(self, step: int) -> int:
+        """Steps in the call that starts at `step`: `steps_per_call`, cut at the next
+        evaluation, the first fit (`fit_at`) and max_steps, so those come between calls;
+        one in a call that compiles, so that the steps after it are measured."""
+        cfg = self.cfg
+        if step == self.compile_step:
+            return 1
+        ends = [step + cfg.steps_per_call, cfg.max_steps,
+                (step // cfg.eval_interval + 1) * cfg.eval_interval]
+        if self.fit_at is not None and step < self.fit_at:
+            ends.append(self.fit_at)
+        return min(ends) - step
+
+    def fit_due(self) -> bool:
+        """Whether to fit max_steps to the budget after this call: at `fit_at` (None: no
         budget, or too short a warmup to measure in), then after each evaluation."""
-        return fit_at is not None and (self.step == fit_at or (
-            self.step > fit_at and self.step % self.cfg.eval_interval == 0))
+        return self.fit_at is not None and (self.step == self.fit_at or (
+            self.step > self.fit_at and self.step % self.cfg.eval_interval == 0))
 
     def fit_to_budget(self, bar, first: bool) -> bool:
         """Lower `max_steps` to the steps the time budget still holds, so that the cosine
@@ -319,29 +336,30 @@ class Loop:
                                          dataclasses.asdict(self.cfg))
         return True
 
-    def one_step(self, train_step, state, step, start, bar, on_eval):
-        """Step `step`, then evaluate and checkpoint when it is time. Returns
-        `(state, stop)`; `stop` when the time budget has no room for another step."""
+    def run_call(self, train_steps, state, step, n, start, bar, on_eval):
+        """Steps `step .. step + n - 1` in one call, then evaluate and checkpoint when it is
+        time. Returns `(state, stop)`; `stop` when the time budget has no room for another
+        call."""
         cfg = self.cfg
         tick = time.perf_counter()
-        batch = self.next_batch if self.next_batch[0] == step else self.place_batch(step)
-        state, loss = train_step(state, *batch[1])
-        if step + 1 < cfg.max_steps:  # made and placed while the step runs (it is async)
-            self.next_batch = self.place_batch(step + 1)
-        self.loss = float(loss)  # syncs, so the timing below is real
-        step_s = time.perf_counter() - tick
-        if step != self.compile_step:  # a step that compiles is neither throughput nor
-            self.train_seconds += step_s  # what the next step is expected to take
-            self.steps_run += 1
-            self.step_s = step_s
-            self.fit_times.append(step_s)
+        batch = self.next_batch if self.next_batch[0] == step else self.place_batches(step)
+        state, losses = train_steps(state, *batch[1], np.int32(n))
+        if step + n < cfg.max_steps:  # made and placed while the call runs (it is async)
+            self.next_batch = self.place_batches(step + n)
+        losses = jax.device_get(losses)[:n].tolist()  # syncs, so the timing below is real
+        call_s = time.perf_counter() - tick
+        if step != self.compile_step:  # a call that compiles is neither throughput nor
+            self.train_seconds += call_s  # what the next steps are expected to take
+            self.steps_run += n
+            self.step_s = call_s / n
+            self.fit_times.extend([self.step_s] * n)
         else:
-            self.compile_s = max(self.compile_s, step_s)
-            if step == start:  # no other step measured yet
-                self.step_s = step_s
-        self.step = step + 1
-        self.losses.append(self.loss)
-        self.step_times.append(step_s)
+            self.compile_s = max(self.compile_s, call_s)
+            if step == start:  # no other call measured yet
+                self.step_s = call_s / n
+        self.step, self.loss = step + n, losses[-1]
+        self.losses.extend(losses)
+        self.step_times.extend([call_s / n] * n)
         bar.set_postfix_str(self.postfix(), refresh=False)
         due = self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps
         out_of_time = self.out_of_time(due)
@@ -355,19 +373,23 @@ class Loop:
                           f"{time.perf_counter() - self.started:.0f} s in")
         return state, out_of_time
 
-    def place_batch(self, step: int):
-        """`(step, (x, y))`: the batch of `step` on the mesh (`step_batch`, `put_batch`)."""
-        x, y = step_batch(self.cfg, self.batches, step)
-        return step, (sharding.put_batch(x, self.mesh, 1), sharding.put_batch(y, self.mesh, 1))
+    def place_batches(self, step: int):
+        """`(step, (x, y))`: the batches of steps `step .. step + steps_per_call - 1`
+        (`step_batch`) on the mesh, int32 `[K, A, B, T]` each; a call runs the first n."""
+        xy = [step_batch(self.cfg, self.batches, s)
+              for s in range(step, step + self.cfg.steps_per_call)]
+        x, y = (np.stack(arrays) for arrays in zip(*xy))
+        return step, (sharding.put_batch(x, self.mesh, 2), sharding.put_batch(y, self.mesh, 2))
 
     def out_of_time(self, due: bool) -> bool:
-        """Would one more step and then the final evaluation and checkpoint end past the
-        budget (after this step's own checkpoint, when one is `due`)? Each is expected to
-        take as long as it last did. Process 0 decides for all: the clocks differ."""
+        """Would one more call and then the final evaluation and checkpoint end past the
+        budget (after this call's own checkpoint, when one is `due`)? Each is expected to
+        take as long as it last did (a step as long as the last call's did). Process 0
+        decides for all: the clocks differ."""
         if not self.cfg.time_budget_s:
             return False
-        ends = time.perf_counter() + (self.finish_s if due else 0.0) + self.step_s \
-            + self.finish_s
+        ends = time.perf_counter() + (self.finish_s if due else 0.0) \
+            + self.step_s * self.call_steps(self.step) + self.finish_s
         out = ends > self.started + self.cfg.time_budget_s
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
