@@ -309,7 +309,7 @@ class Loop:
         expected to take the median of the last `FIT_STEPS` (at most the last evaluation
         interval's: a median over both sides of a slowdown would still be fast) plus
         `FIT_MARGIN`, each evaluation as long as the last, the recompile as long as the
-        longest step that compiled. Returns whether it changed: past the `first` fit, only
+        longest call that compiled. Returns whether it changed: past the `first` fit, only
         by more than `REFIT_SLACK` and with an evaluation interval of steps left (each fit
         compiles the step again; near the end `out_of_time` stops the run instead)."""
         cfg, now = self.cfg, time.perf_counter()
