@@ -272,6 +272,57 @@ def test_a_time_budget_ends_the_learning_rate_schedule_with_the_run(corpus, tmp_
                  seen["budget"][steps], seen["fitted"][steps])
 
 
+def test_a_slow_compile_is_charged_once_not_to_every_step_of_the_next_call(corpus, tmp_path,
+                                                                          monkeypatch):
+    """Fault (found by a new user): with several steps a call, the budget's guard charged
+    the first call's compile to each step of the next call, and every budgeted run on a
+    cold compilation cache stopped at step 1 (`make demo` with a 60 s budget: 1 step, val
+    4.35). On a virtual clock, each compiled program's first call takes 1.5 s more (a
+    compile), every step 5 ms: the run is fitted at step 50 and ends at its fit."""
+    clock = [0.0]
+    monkeypatch.setattr(T, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    make_train_steps = T.make_train_steps
+
+    def compiling(*args, **kwargs):
+        steps, first = make_train_steps(*args, **kwargs), [True]
+
+        def timed_steps(state, x, y, n):
+            clock[0] += 0.005 * int(n) + (1.5 if first[0] else 0.0)
+            first[0] = False
+            return steps(state, x, y, n)
+
+        return timed_steps
+
+    monkeypatch.setattr(T, "make_train_steps", compiling)
+    cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
+                             max_steps=100_000, warmup_steps=T.FIT_STEPS,
+                             eval_interval=100_000, time_budget_s=8.0)
+    summary = T.train(cfg)
+    # at step 50: 1.75 s spent, 1.505 s kept for the recompile, 4.745 s left at 5.25 ms
+    assert summary["steps"] == summary["max_steps"] == 50 + 903, summary
+    assert clock[0] <= cfg.time_budget_s
+
+
+def test_a_huge_steps_per_call_places_only_the_batches_a_call_can_run(corpus, tmp_path,
+                                                                      monkeypatch):
+    """Fault (found by a new user): `--steps-per-call 200000` drew and placed 200,000
+    batches per call (2.4 GB; ~6 GB on the demo's preset) where a call runs at most an
+    evaluation interval of steps. Now a call's batches are capped at min(steps_per_call,
+    eval_interval, max_steps), and the calls still end at every evaluation."""
+    shapes = []
+    put_batch = T.sharding.put_batch
+    monkeypatch.setattr(T.sharding, "put_batch",
+                        lambda x, *a: shapes.append(x.shape) or put_batch(x, *a))
+    cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
+                             max_steps=30, eval_interval=25, steps_per_call=200_000,
+                             sample_tokens=0)
+    T.train(cfg)
+    calls = [shape for shape in shapes if len(shape) == 4]  # [K, A, B, T]; 2-D: evaluation
+    assert calls and {shape[0] for shape in calls} == {25}, calls
+    rows = report.read_metrics(cfg.run_dir)
+    assert [(r["step"], len(r["train_losses"])) for r in rows] == [(25, 25), (30, 5)]
+
+
 def test_a_run_that_slows_down_fits_its_schedule_again(corpus, tmp_path, monkeypatch, capsys):
     """Fault (found by two new users): the fit measured the warmup's steps only, so a machine
     that got busier later stopped `make demo` at 73% and 84% of its fitted schedule. Now

@@ -228,13 +228,15 @@ class Loop:
         self.next_batch = (-1, None)  # (step, (x, y)): a call's batches, placed ahead of it
         self.saved_step, self.primary = None, distributed.is_primary()
         self.started = started  # perf_counter() when the run began: the budget counts from it
-        self.step_s = 0.0  # the last call's wall time per step, a call that compiles left out
+        self.step_s = 0.0  # the last call's wall time per step, calls that compile left out
         self.finish_s = 0.0  # the last evaluation + checkpoint's: what ending the run takes
         # the longest call that compiled (the first, one after a fit); the last FIT_STEPS
         # other steps' (per step of their calls)
         self.compile_s, self.fit_times = 0.0, collections.deque(maxlen=FIT_STEPS)
         self.compile_step = None  # the step whose call compiles: the first, the first after a fit
         self.fit_at = None  # the step of the first fit to the budget (None: no fit)
+        # batches placed for a call: as many as its steps can be (fits only lower max_steps)
+        self.call_size = min(cfg.steps_per_call, cfg.eval_interval, cfg.max_steps)
 
     def run(self, make_step, state: TrainState, start, on_eval) -> TrainState:
         """Train from step `start` with `make_step(cfg)`'s jitted `train_steps` (made again
@@ -256,7 +258,7 @@ class Loop:
         while step < self.cfg.max_steps:
             n = self.call_steps(step)
             try:
-                state, stop = self.run_call(train_steps, state, step, n, start, bar, on_eval)
+                state, stop = self.run_call(train_steps, state, step, n, bar, on_eval)
                 if not stop and self.fit_due() and self.fit_to_budget(
                         bar, first=self.step == self.fit_at):
                     train_steps = make_step(self.cfg)
@@ -270,7 +272,6 @@ class Loop:
                     "with the same command: the run resumes from the last complete "
                     f"checkpoint in {self.mngr.directory} (this process saved up to step "
                     f"{self.saved_step})") from error
-            bar.update(n)
             step += n
             if stop:
                 break
@@ -336,7 +337,7 @@ class Loop:
                                          dataclasses.asdict(self.cfg))
         return True
 
-    def run_call(self, train_steps, state, step, n, start, bar, on_eval):
+    def run_call(self, train_steps, state, step, n, bar, on_eval):
         """Steps `step .. step + n - 1` in one call, then evaluate and checkpoint when it is
         time. Returns `(state, stop)`; `stop` when the time budget has no room for another
         call."""
@@ -355,12 +356,11 @@ class Loop:
             self.fit_times.extend([self.step_s] * n)
         else:
             self.compile_s = max(self.compile_s, call_s)
-            if step == start:  # no other call measured yet
-                self.step_s = call_s / n
         self.step, self.loss = step + n, losses[-1]
         self.losses.extend(losses)
         self.step_times.extend([call_s / n] * n)
         bar.set_postfix_str(self.postfix(), refresh=False)
+        bar.update(n)
         due = self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps
         out_of_time = self.out_of_time(due)
         if due or out_of_time:
@@ -374,22 +374,25 @@ class Loop:
         return state, out_of_time
 
     def place_batches(self, step: int):
-        """`(step, (x, y))`: the batches of steps `step .. step + steps_per_call - 1`
-        (`step_batch`) on the mesh, int32 `[K, A, B, T]` each; a call runs the first n."""
-        xy = [step_batch(self.cfg, self.batches, s)
-              for s in range(step, step + self.cfg.steps_per_call)]
+        """`(step, (x, y))`: the batches of steps `step .. step + K - 1` (`step_batch`,
+        K = `call_size`) on the mesh, int32 `[K, A, B, T]` each; a call runs the first n."""
+        xy = [step_batch(self.cfg, self.batches, s) for s in range(step, step + self.call_size)]
         x, y = (np.stack(arrays) for arrays in zip(*xy))
         return step, (sharding.put_batch(x, self.mesh, 2), sharding.put_batch(y, self.mesh, 2))
 
     def out_of_time(self, due: bool) -> bool:
         """Would one more call and then the final evaluation and checkpoint end past the
         budget (after this call's own checkpoint, when one is `due`)? Each is expected to
-        take as long as it last did (a step as long as the last call's did). Process 0
-        decides for all: the clocks differ."""
+        take as long as it last did: a call's steps as long as the last measured call's,
+        or, before one is measured, the call as long as the one that compiled (once, not
+        per step: that charged a cold compile to each of the next call's steps and stopped
+        budgeted runs at step 1). Process 0 decides for all: the clocks differ."""
         if not self.cfg.time_budget_s:
             return False
-        ends = time.perf_counter() + (self.finish_s if due else 0.0) \
-            + self.step_s * self.call_steps(self.step) + self.finish_s
+        next_call_s = self.step_s * self.call_steps(self.step) if self.steps_run \
+            else self.compile_s
+        ends = time.perf_counter() + (self.finish_s if due else 0.0) + next_call_s \
+            + self.finish_s
         out = ends > self.started + self.cfg.time_budget_s
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
