@@ -146,7 +146,7 @@ def make_train_steps(config: GPTConfig, optimizer, compute_dtype=jnp.float32,
                      shardings: TrainState | None = None):
     """`train_steps(state, x_KABT, y_KABT, n) -> (state, losses_K)`, jitted, donating the
     old state: the first `n` (int32 scalar, 1 <= n <= K) of K steps' batches, each step
-    exactly `make_train_step`'s, run as ONE compiled program (a `lax.fori_loop` with a
+    `make_train_step`'s computation (equal to float32 rounding), run as ONE compiled program (a `lax.fori_loop` with a
     traced trip count, so every n shares one compilation). `losses_K[:n]` are the steps'
     losses in order, the rest 0; x_KABT, y_KABT are int32 `[K, A, B, T]` (batch axis 2 split
     over the mesh like `train_step`'s axis 1).
