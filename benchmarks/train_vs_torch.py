@@ -38,7 +38,7 @@ def jax_runner(batches, threads, model):
     from gpt_jax.config import GPTConfig
     from training import sharding
     from training.config import TrainConfig
-    from training.step import init_state, make_optimizer, make_train_step
+    from training.step import init_state, make_optimizer, make_train_steps
     from training.train import split_host
 
     batch, block = batches[0][0].shape
@@ -50,14 +50,14 @@ def jax_runner(batches, threads, model):
     optimizer = make_optimizer(cfg)
     state, shardings = init_state(cfg, config, optimizer, mesh)
     held = {"state": state}  # the step donates the old state: keep only the new one
-    step = make_train_step(config, optimizer, shardings=shardings)
+    steps = make_train_steps(config, optimizer, shardings=shardings)  # called one step a call
 
     def run(n):
         loss = None
         for i in range(n):  # each batch placed on the mesh per step, as the training loop does
-            x, y = (sharding.put_batch(a[None], mesh, 1) for a in batches[i % len(batches)])
-            held["state"], loss = step(held["state"], x, y)
-        return float(loss)  # waits for the last step
+            x, y = (sharding.put_batch(a[None, None], mesh, 2) for a in batches[i % len(batches)])
+            held["state"], losses = steps(held["state"], x, y, np.int32(1))
+        return float(losses[0])  # waits for the last step
 
     run(3)  # compile and warm up
     return run

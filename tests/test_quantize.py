@@ -188,7 +188,7 @@ def char_model():
     characters of the plays: `(config, params, tokenizer, held-out ids)`."""
     from training import data
     from training.config import TrainConfig
-    from training.step import TrainState, make_optimizer, make_train_step
+    from training.step import TrainState, make_optimizer, make_train_steps
 
     text = data.shakespeare_text()[:330_000]
     tokenizer = CharTokenizer.from_text(text)
@@ -198,12 +198,12 @@ def char_model():
     cfg = TrainConfig(max_steps=300, batch_size=16, learning_rate=1e-2, min_learning_rate=1e-3,
                       warmup_steps=20)
     optimizer = make_optimizer(cfg)
-    step = make_train_step(config, optimizer)
+    steps = make_train_steps(config, optimizer)
     params = jax.tree.map(jnp.asarray, _random_params(config))
     state = TrainState(params, optimizer.init(params))
     for i in range(cfg.max_steps):
         x, y = data.get_batch(ids[:300_000], cfg.batch_size, config.max_seq_len, 0, i)
-        state, _ = step(state, x[None], y[None])
+        state, _ = steps(state, x[None, None], y[None, None], np.int32(1))
     params = state.params
     return config, params, tokenizer, ids[300_000:]
 

@@ -67,18 +67,21 @@ def _step(mesh, shard_params, config, cfg, x, y):
     import re
 
     import jax
+    import numpy as np
 
     from training import sharding, step
 
     cfg = dataclasses.replace(cfg, shard_params=shard_params)
     optimizer = step.make_optimizer(cfg)
     state, shardings = step.init_state(cfg, config, optimizer, mesh)
-    train_step = step.make_train_step(config, optimizer, shardings=shardings)
-    xs, ys = sharding.put_batch(x, mesh, 1), sharding.put_batch(y, mesh, 1)
-    hlo = train_step.lower(state, xs, ys).compile().as_text()
+    train_steps = step.make_train_steps(config, optimizer, shardings=shardings)
+    xs, ys = sharding.put_batch(x[None], mesh, 2), sharding.put_batch(y[None], mesh, 2)
+    one = np.int32(1)
+    hlo = train_steps.lower(state, xs, ys, one).compile().as_text()
     all_reduces = [re.sub(r"\{[^}]*\}", "", shape)  # layouts dropped
                    for shape in re.findall(r"= (.+?) all-reduce\(", hlo)]
-    state, loss = train_step(state, xs, ys)
+    state, losses = train_steps(state, xs, ys, one)
+    loss = losses[0]
     wte_shards = len({str(s.index) for s in state.params["wte"].addressable_shards})
     return (float(loss), jax.device_get(state.params), len(xs.sharding.device_set), wte_shards,
             all_reduces)

@@ -25,8 +25,7 @@ from gpt_jax.params import init_params
 from training import data, report, sharding
 from training import train as T
 from training.config import TRAIN_PRESETS, TrainConfig
-from training.step import (TrainState, evaluate, loss_fn, make_optimizer, make_train_step,
-                           make_train_steps)
+from training.step import TrainState, evaluate, loss_fn, make_optimizer, make_train_steps
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the king queen lord speaks night day love death sword crown heart blood gentle "
@@ -418,11 +417,12 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(corpus, t
 
 
 def _one_step(cfg, config, x, y, optimizer, compute_dtype=jnp.float32):
-    """`(params, loss)` after one train step from the seed-0 init."""
+    """`(params, loss)` after one train step (a call of one) from the seed-0 init."""
     params = init_params(config, jax.random.key(0))
-    step = make_train_step(config, optimizer, compute_dtype)
-    state, loss = step(TrainState(params, optimizer.init(params)), x, y)
-    return state.params, loss
+    steps = make_train_steps(config, optimizer, compute_dtype)
+    state, losses = steps(TrainState(params, optimizer.init(params)), x[None], y[None],
+                          np.int32(1))
+    return state.params, losses[0]
 
 
 def test_loss_is_next_token_cross_entropy_at_every_position():
@@ -445,7 +445,7 @@ def test_loss_is_next_token_cross_entropy_at_every_position():
 
 def test_steps_in_one_call_equal_the_same_steps_one_call_each():
     """`make_train_steps` (the loop's, `steps_per_call` steps in one program) runs the first
-    n of K batches: the same losses and params as n calls of `make_train_step` (to float32
+    n of K batches: the same losses and params as n calls of one step each (to float32
     rounding: XLA fuses the loop's body its own way), a 0 loss and nothing else from the
     batches past n (here garbage: out-of-range token ids)."""
     cfg = TrainConfig.preset("tiny")
@@ -459,12 +459,12 @@ def test_steps_in_one_call_equal_the_same_steps_one_call_each():
         params = init_params(config, jax.random.key(0))
         return TrainState(params, optimizer.init(params))
 
-    state, step = fresh(), make_train_step(config, optimizer)
-    losses = []
+    train_steps = make_train_steps(config, optimizer)
+    state, losses = fresh(), []
     for k in range(3):
-        state, loss = step(state, x[k], y[k])
-        losses.append(float(loss))
-    called, losses_K = make_train_steps(config, optimizer)(fresh(), x, y, np.int32(3))
+        state, loss = train_steps(state, x[k:k + 1], y[k:k + 1], np.int32(1))
+        losses.append(float(loss[0]))
+    called, losses_K = train_steps(fresh(), x, y, np.int32(3))
     assert_close(losses_K[:3], np.array(losses), 1e-6, "losses")
     assert float(losses_K[3]) == 0.0
     for a, b in zip(jax.tree.leaves(called), jax.tree.leaves(state)):

@@ -4,10 +4,9 @@ and donated train step, and the val loss.
 Usage:
   optimizer = make_optimizer(cfg)
   state, shardings = init_state(cfg, config, optimizer, mesh)
-  train_step = make_train_step(config, optimizer, shardings=shardings)
-  state, loss = train_step(state, x_ABT, y_ABT)   # the old state's buffers are donated
   train_steps = make_train_steps(config, optimizer, shardings=shardings)
-  state, losses_K = train_steps(state, x_KABT, y_KABT, n)   # the first n of K steps
+  state, losses_K = train_steps(state, x_KABT, y_KABT, n)   # the first n of K steps; the
+                                                             # old state's buffers are donated
 
 `training/train.py` runs these in its loop; `benchmarks/train_vs_torch.py` times them.
 """
@@ -64,7 +63,7 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 def init_state(cfg: TrainConfig, config: GPTConfig, optimizer, mesh):
     """A fresh `TrainState` placed on the mesh, and its shardings (a `TrainState` of
-    `NamedSharding`s, for `make_train_step`).
+    `NamedSharding`s, for `make_train_steps`).
 
     With several processes the params are drawn by process 0 and sent to the others, and
     each process supplies only its own devices' shards (`sharding.put_host`); the optimizer
@@ -97,7 +96,17 @@ def loss_fn(params, config: GPTConfig, x_BT, y_BT, compute_dtype=jnp.float32):
 
 
 def _train_step(config: GPTConfig, optimizer, compute_dtype, shardings: TrainState | None):
-    """The unjitted `train_step(state, x_ABT, y_ABT) -> (state, loss)` (`make_train_step`)."""
+    """`train_step(state, x_ABT, y_ABT) -> (state, loss)`: one optimizer step, unjitted.
+
+    x_ABT, y_ABT hold A micro-batches; their gradients are averaged (a `lax.scan`, so memory
+    stays one micro-batch) before one optimizer update.
+
+    With replicated params on a mesh of several devices (plain data parallelism) each device
+    takes the gradients of its own part of the batch and the devices average them as ONE
+    flat array (`mean_over_devices`). Left to XLA's partitioner, the gradients cross in one
+    all-reduce of a tuple of ~60 arrays, which XLA:CPU runs as one rendezvous per array:
+    3.4 ms of a ~40 ms nanogpt-cpu step on 2 devices, against ~0.3 ms flat.
+    """
     grad_fn = jax.value_and_grad(loss_fn)
 
     def mean_grads(params, x_ABT, y_ABT):
@@ -123,33 +132,15 @@ def _train_step(config: GPTConfig, optimizer, compute_dtype, shardings: TrainSta
     return train_step
 
 
-def make_train_step(config: GPTConfig, optimizer, compute_dtype=jnp.float32,
-                    shardings: TrainState | None = None):
-    """`train_step(state, x_ABT, y_ABT) -> (state, loss)`, jitted, donating the old state.
-
-    x_ABT, y_ABT hold A micro-batches; their gradients are averaged (a `lax.scan`, so memory
-    stays one micro-batch) before one optimizer update. `shardings` (from `init_state`) pins
-    the new state to the old one's layout on a mesh.
-
-    With replicated params on a mesh of several devices (plain data parallelism) each device
-    takes the gradients of its own part of the batch and the devices average them as ONE
-    flat array (`mean_over_devices`). Left to XLA's partitioner, the gradients cross in one
-    all-reduce of a tuple of ~60 arrays, which XLA:CPU runs as one rendezvous per array:
-    3.4 ms of a ~40 ms nanogpt-cpu step on 2 devices, against ~0.3 ms flat.
-    """
-    out_shardings = None if shardings is None else (shardings, None)
-    return jax.jit(_train_step(config, optimizer, compute_dtype, shardings),
-                   donate_argnames="state", out_shardings=out_shardings)
-
-
 def make_train_steps(config: GPTConfig, optimizer, compute_dtype=jnp.float32,
                      shardings: TrainState | None = None):
     """`train_steps(state, x_KABT, y_KABT, n) -> (state, losses_K)`, jitted, donating the
-    old state: the first `n` (int32 scalar, 1 <= n <= K) of K steps' batches, each step
-    `make_train_step`'s computation (equal to float32 rounding), run as ONE compiled program (a `lax.fori_loop` with a
-    traced trip count, so every n shares one compilation). `losses_K[:n]` are the steps'
-    losses in order, the rest 0; x_KABT, y_KABT are int32 `[K, A, B, T]` (batch axis 2 split
-    over the mesh like `train_step`'s axis 1).
+    old state: optimizer steps (`_train_step`) on the first `n` (int32 scalar, 1 <= n <= K)
+    of K steps' batches, as ONE compiled program (a `lax.fori_loop` with a traced trip
+    count, so every n shares one compilation). `losses_K[:n]` are the steps' losses in
+    order, the rest 0; x_KABT, y_KABT are int32 `[K, A, B, T]`, the batch axis (2) split over
+    the mesh. `shardings` (from `init_state`) pins the new state to the old one's layout on
+    a mesh.
 
     Why: the host's per-step work (dispatching the step, placing its batch, reading its
     loss, the loop's bookkeeping) runs on the same cores as the devices (on CPU every core
