@@ -54,6 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt_jax.cache import pages_for
 from inference.engine import CROP_HINT, Engine, RequestOutput, validate
+from inference.load import add_model_args, load_model
 from inference.sampling import MAX_LOGPROBS, SamplingParams
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
@@ -732,8 +733,6 @@ class _Completion:
 # ---------------------------------------------------------------------- command line
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from inference.cli import add_model_args
-
     p = argparse.ArgumentParser(prog="gpt-jax serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
@@ -759,8 +758,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     import uvicorn
-
-    from inference.cli import load_model
 
     args = parse_args(argv)
     for name, low, high in (("max_slots", 1, None), ("max_queue", 0, None),
