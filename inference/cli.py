@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 
@@ -31,6 +30,7 @@ import numpy as np
 
 from gpt_jax.cache import cache_bytes, pages_for
 from inference.engine import CROP_HINT, generate, init_cache_rows, pack, prefill, validate
+from inference.errors import RequestError
 from inference.llm import LLM
 from inference.load import add_model_args, load_model
 from inference.sampling import CONTEXT_OVERFLOW, SamplingParams
@@ -117,7 +117,8 @@ FIELD_FLAGS = {
 def refusal(error: Exception) -> SystemExit:
     """The CLI's one-line error for `error`, in flags: `SamplingParams.top_p=2.0` is
     `--top-p=2.0`, and "crop" is --context-overflow crop."""
-    text = re.sub(r"SamplingParams\.(\w+)", lambda m: FIELD_FLAGS.get(m[1], m[0]), str(error))
+    named = isinstance(error, RequestError) and error.field in FIELD_FLAGS
+    text = error.message(FIELD_FLAGS[error.field]) if named else str(error)
     return SystemExit("gpt-jax generate: " + text.replace(
         CROP_HINT, " (or --context-overflow crop to predict each token from the last "
                    "max_seq_len)"))
