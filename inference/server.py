@@ -55,8 +55,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt_jax.cache import pages_for
 from inference.engine import CROP_HINT, Engine, RequestOutput, validate
-from inference.load import add_model_args, load_model
 from inference.errors import RequestError
+from inference.load import add_model_args, load_model
 from inference.sampling import API_MAX_TEMPERATURE, RANGES, SamplingParams
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
@@ -155,6 +155,15 @@ def _validation_error(error: ValidationError | RequestValidationError) -> APIErr
     return APIError(400, f"{param}={value} is invalid: {first['msg']}", param=param)
 
 
+API_FIELDS = {"max_new_tokens": "max_tokens"}  # the engine's field names -> the API's
+
+
+def _request_error(error: RequestError) -> APIError:
+    """A 400 naming the field, and every field its message mentions, as the API does."""
+    param = API_FIELDS.get(error.field, error.field)
+    return APIError(400, error.message(param, API_FIELDS), param=param, code=error.code)
+
+
 def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingParams:
     """SamplingParams of a request. Raises APIError for a field we do not support."""
     if body.echo:
@@ -186,15 +195,6 @@ def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingPa
             min_tokens=pick(body.min_tokens, 0), logit_bias=bias)
     except RequestError as error:
         raise _request_error(error) from None
-
-
-API_FIELDS = {"max_new_tokens": "max_tokens"}  # the engine's field names -> the API's
-
-
-def _request_error(error: RequestError) -> APIError:
-    """A 400 naming the field, and every field its message mentions, as the API does."""
-    param = API_FIELDS.get(error.field, error.field)
-    return APIError(400, error.message(param, API_FIELDS), param=param, code=error.code)
 
 
 # ---------------------------------------------------------------------- the engine thread

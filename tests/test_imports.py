@@ -23,7 +23,8 @@ def module_name(path: Path) -> str:
 
 def modules() -> dict[str, Path]:
     """Every module of the three packages, by dotted name (a package by its own name)."""
-    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+    return {module_name(p): p for package in PACKAGES
+            for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def imported(name: str, path: Path, known: set[str]) -> set[str]:
