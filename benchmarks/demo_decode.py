@@ -22,8 +22,8 @@ from pathlib import Path
 import jax
 
 from gpt_jax.checkpoint import load_params
-from gpt_jax.cli import DEMO_PROMPTS
 from inference import SamplingParams, generate, naive_generate
+from training.demo import PROMPTS as DEMO_PROMPTS
 
 
 def timed(fn, params, config, prompts, sampling) -> tuple[float, list]:

@@ -134,7 +134,8 @@ def start_worker(side: str, argv: list[str], huge_pages: bool) -> subprocess.Pop
     """A worker process for `side` ("jax" or "torch"), once it is ready. With `huge_pages`
     (a model `python -m training.train` restarts with them for: `large_buffers`) both sides
     get that malloc setting, so neither pays 4 KiB page faults the other does not."""
-    from gpt_jax.cli import INSTALL_TORCH, huge_pages_environ
+    from bench import INSTALL_TORCH  # beside this file (benchmarks/ is on sys.path)
+    from training.process import huge_pages_environ
 
     env = huge_pages_environ() if huge_pages else None
     proc = subprocess.Popen([sys.executable, __file__, *argv, "--worker", side], env=env,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 
@@ -29,12 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt_jax import checkpoint
-from gpt_jax.config import GPTConfig
 from gpt_jax.cache import cache_bytes, pages_for
-from gpt_jax.params import QUANTIZE
 from inference.engine import CROP_HINT, generate, init_cache_rows, pack, prefill, validate
-from inference.llm import DTYPES, LLM
+from inference.errors import RequestError
+from inference.llm import LLM
+from inference.load import add_model_args, load_model
 from inference.sampling import CONTEXT_OVERFLOW, SamplingParams
 
 
@@ -119,7 +117,8 @@ FIELD_FLAGS = {
 def refusal(error: Exception) -> SystemExit:
     """The CLI's one-line error for `error`, in flags: `SamplingParams.top_p=2.0` is
     `--top-p=2.0`, and "crop" is --context-overflow crop."""
-    text = re.sub(r"SamplingParams\.(\w+)", lambda m: FIELD_FLAGS.get(m[1], m[0]), str(error))
+    named = isinstance(error, RequestError) and error.field in FIELD_FLAGS
+    text = error.message(FIELD_FLAGS[error.field]) if named else str(error)
     return SystemExit("gpt-jax generate: " + text.replace(
         CROP_HINT, " (or --context-overflow crop to predict each token from the last "
                    "max_seq_len)"))
@@ -209,51 +208,6 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
           f"{pages_for(S, page_size)} per row) x page_size {page_size} x n_kv_heads "
           f"{config.kv_heads} x head_dim {config.head_dim} x {itemsize} bytes = "
           f"{cache_bytes(config, num_pages, page_size, llm.cache_dtype):,} bytes", file=file)
-
-
-def add_model_args(p: argparse.ArgumentParser, quantize: bool = True) -> None:
-    """--run-dir, --hf-checkpoint, --dtype and (when `quantize`) --quantize: where the model
-    comes from (`load_model`) and how it runs."""
-    p.add_argument("--run-dir", default="runs/shakespeare-char", help="training run directory")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="weights and KV cache dtype (bfloat16 halves the bytes read per step)")
-    if quantize:
-        p.add_argument("--quantize", choices=QUANTIZE, default=None,
-                       help="int8: weight-only int8, a float32 scale per output channel, "
-                            "quantized at load (a quarter of float32's weight bytes per step; "
-                            "activations float32; --dtype is then the KV cache's)")
-    p.add_argument("--hf-checkpoint", metavar="DIR",
-                   help="a Hugging Face GPT-2 directory (config.json + model.safetensors) "
-                        "instead of --run-dir; text goes through its tokenizer "
-                        "(tokenizer.json, or vocab.json + merges.txt)")
-
-
-def load_model(args):
-    """`(params, config, tokenizer, eos_token_id)` of the --hf-checkpoint directory (its
-    tokenizer and EOS id may be None), else of the --run-dir run (EOS None).
-
-    Raises:
-      FileNotFoundError, ValueError: as `gpt_jax.checkpoint.load_params` and
-        `gpt_jax.hf.load_hf_gpt2` do.
-    """
-    if not args.hf_checkpoint:
-        config, params, tokenizer = checkpoint.load_params(args.run_dir)
-        return params, config, tokenizer, None
-    from gpt_jax.hf import load_hf_eos_token_id, load_hf_gpt2, load_hf_tokenizer
-
-    config, params = load_hf_gpt2(args.hf_checkpoint)
-    return (params, config, load_hf_tokenizer(args.hf_checkpoint),
-            load_hf_eos_token_id(args.hf_checkpoint))
-
-
-def load_config(args) -> GPTConfig:
-    """The GPTConfig of `load_model`'s model, without reading the weights (to check flags
-    against it first). Raises FileNotFoundError, ValueError naming the directory."""
-    if not args.hf_checkpoint:
-        return checkpoint.load_config(args.run_dir)
-    from gpt_jax.hf import load_hf_config
-
-    return load_hf_config(args.hf_checkpoint)
 
 
 def load_llm(args) -> LLM:

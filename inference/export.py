@@ -54,6 +54,7 @@ from gpt_jax.model import decode_layout
 from gpt_jax.params import check_params, param_count
 from inference import stopping
 from inference.engine import cached_model, generation
+from inference.load import add_model_args, load_config, load_model
 from inference.sampling import SamplingArrays, prompt_hashes
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what jax.export lowers for
@@ -257,8 +258,6 @@ def write_export(exported: jax.export.Exported, out, config: GPTConfig, *, eos_t
 
 
 def parse_args(argv=None):
-    from inference.cli import add_model_args
-
     p = argparse.ArgumentParser(prog="gpt-jax export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, quantize=False)  # the exported weights are float (--dtype); int8 is not
@@ -295,8 +294,6 @@ def check_out(out: Path) -> None:
 def main(argv=None):
     """`gpt-jax export`: check every flag (sizes, platforms, the model's context) before
     loading the weights, then export and write. Bad input exits with a one-line message."""
-    from inference.cli import load_config, load_model
-
     args = parse_args(argv)
     platforms = (jax.default_backend(),) if args.platforms is None else \
         tuple(args.platforms.split(","))  # "" is refused by check_shape, not the default

@@ -50,9 +50,49 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from inference.errors import RequestError
+
 MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for
 INT32_MAX = 2**31 - 1  # integer fields become int32 arrays
 CONTEXT_OVERFLOW = ("error", "crop")  # SamplingParams.context_overflow values (None: default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A numeric field's allowed values, `low` to `high` (`low_open`: above `low`), and how
+    an error states them."""
+
+    low: float
+    high: float
+    allowed: str
+    integer: bool = False
+    low_open: bool = False
+
+    def __contains__(self, value) -> bool:
+        return (value > self.low if self.low_open else value >= self.low) and value <= self.high
+
+
+# Every numeric field's range, defined once: SamplingParams checks them (in this order), and
+# the server's request model takes its bounds from them (`inference.server`).
+RANGES = {
+    "temperature": Range(0.0, math.inf, "[0, inf)"),
+    "top_k": Range(0, INT32_MAX, f"[0, {INT32_MAX}] (0 = off)", integer=True),
+    "top_p": Range(0.0, 1.0, "[0, 1]"),
+    "min_p": Range(0.0, 1.0, "[0, 1]"),
+    "repetition_penalty": Range(0.0, math.inf, "(0, inf)", low_open=True),
+    "presence_penalty": Range(-2.0, 2.0, "[-2, 2]"),
+    "frequency_penalty": Range(-2.0, 2.0, "[-2, 2]"),
+    "seed": Range(0, 2**32 - 1, "None or [0, 2**32 - 1]", integer=True),
+    "max_new_tokens": Range(0, INT32_MAX, f"[0, {INT32_MAX}]", integer=True),
+    "logprobs": Range(0, MAX_LOGPROBS, f"None or [0, {MAX_LOGPROBS}]", integer=True),
+    "n": Range(1, INT32_MAX, f"[1, {INT32_MAX}]", integer=True),
+    "min_tokens": Range(0, INT32_MAX, f"[0, {INT32_MAX}]", integer=True),
+}
+BIAS = Range(-100.0, 100.0, "[-100, 100]")  # a logit_bias value
+TOKEN_ID = Range(0, math.inf, "token ids >= 0", integer=True)  # stop ids, biased ids
+# OpenAI's API documents temperature in [0, 2], and the server keeps to it; the engine
+# samples at any temperature in RANGES.
+API_MAX_TEMPERATURE = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +100,8 @@ class SamplingParams:
     """How to sample one request. Validated on construction.
 
     Raises:
-      ValueError: a field is out of range; the message names the field, value and range.
+      RequestError (a ValueError): a field is out of range; the message names the field,
+        value and range (`RANGES`).
       TypeError: an unknown field (the dataclass constructor rejects it).
     """
 
@@ -110,41 +151,28 @@ class SamplingParams:
         set_(self, "stop_sequences", tuple(
             _as_tuple("stop_sequences", q) for q in _as_tuple("stop_sequences", self.stop_sequences)
         ))
-        _check_real("temperature", self.temperature, 0.0, math.inf, "[0, inf)")
-        _check_int("top_k", self.top_k, 0, INT32_MAX, f"[0, {INT32_MAX}] (0 = off)")
-        _check_real("top_p", self.top_p, 0.0, 1.0, "[0, 1]")
-        _check_real("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
-        _check_real("repetition_penalty", self.repetition_penalty, 1e-6, math.inf, "(0, inf)")
-        _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0, "[-2, 2]")
-        _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
-        if self.seed is not None:
-            _check_int("seed", self.seed, 0, 2**32 - 1, "None or [0, 2**32 - 1]")
-        _check_int("max_new_tokens", self.max_new_tokens, 0, INT32_MAX,
-                   f"[0, {INT32_MAX}]")
+        for name in RANGES:
+            if getattr(self, name) is not None or name not in ("seed", "logprobs"):
+                _check(name, getattr(self, name))
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id, 0, None, "token ids >= 0")
+            _check("stop_token_ids", token_id, TOKEN_ID)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"SamplingParams.stop={s!r} is out of range; allowed: "
-                                 "non-empty strings")
+                raise RequestError("stop", s, "non-empty strings")
         for sequence in self.stop_sequences:
             if not sequence:
-                raise ValueError("SamplingParams.stop_sequences=() is out of range; allowed: "
-                                 "non-empty sequences of token ids >= 0")
+                raise RequestError("stop_sequences", sequence,
+                                   "non-empty sequences of token ids >= 0")
             for token_id in sequence:
-                _check_int("stop_sequences", token_id, 0, None, "token ids >= 0")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"None or [0, {MAX_LOGPROBS}]")
-        _check_int("n", self.n, 1, INT32_MAX, f"[1, {INT32_MAX}]")
-        _check_int("min_tokens", self.min_tokens, 0, INT32_MAX, f"[0, {INT32_MAX}]")
+                _check("stop_sequences", token_id, TOKEN_ID)
         if self.min_tokens > self.max_new_tokens:
-            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} is more than "
-                             f"max_new_tokens={self.max_new_tokens}; allowed: "
-                             "0 <= min_tokens <= max_new_tokens")
+            raise RequestError("min_tokens", self.min_tokens, "0 <= {min_tokens} <= "
+                               "{max_new_tokens}", problem="{field}={value!r} is more than "
+                               f"{{max_new_tokens}}={self.max_new_tokens}")
         set_(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.context_overflow not in CONTEXT_OVERFLOW + (None,):
-            raise ValueError(f"SamplingParams.context_overflow={self.context_overflow!r} is out "
-                             f"of range; allowed: None, {', '.join(map(repr, CONTEXT_OVERFLOW))}")
+            raise RequestError("context_overflow", self.context_overflow,
+                               f"None, {', '.join(map(repr, CONTEXT_OVERFLOW))}")
 
     def overflow(self, default: str) -> str:
         """`context_overflow`, or `default` when it is None."""
@@ -157,7 +185,7 @@ class SamplingParams:
 
 def _as_tuple(name, value) -> tuple:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise ValueError(f"SamplingParams.{name}={value!r} is out of range; allowed: a list")
+        raise RequestError(name, value, "a list", code="invalid_type")
     return tuple(value)
 
 
@@ -168,30 +196,29 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
     out = {}
     for pair in pairs:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise ValueError(f"SamplingParams.logit_bias entry {pair!r} is not a (token id, "
-                             "bias) pair; allowed: a dict or pairs {token id >= 0: bias}")
+            raise RequestError("logit_bias", pair, "a dict or pairs {{token id >= 0: bias}}",
+                               code="invalid_type",
+                               problem="{field} entry {value!r} is not a (token id, bias) pair")
         token_id, bias = pair
-        _check_int("logit_bias", token_id, 0, None, "token ids >= 0")
-        _check_real(f"logit_bias[{token_id}]", bias, -100.0, 100.0, "[-100, 100]")
+        _check("logit_bias", token_id, TOKEN_ID)
+        _check("logit_bias", bias, BIAS, f"{{field}}[{token_id}]={{value!r}} is out of range")
         if int(token_id) in out:
-            raise ValueError(f"SamplingParams.logit_bias gives token id {token_id} twice; "
-                             "allowed: each id once")
+            raise RequestError("logit_bias", token_id, "each id once",
+                               problem="{field} gives token id {value!r} twice")
         out[int(token_id)] = float(bias)
     return tuple(sorted(out.items()))
 
 
-def _check_real(name, value, low, high, allowed):
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or not low <= value <= high:
-        raise ValueError(f"SamplingParams.{name}={value!r} is out of range; allowed: {allowed}")
-
-
-def _check_int(name, value, low, high, allowed):
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise ValueError(f"SamplingParams.{name}={value!r} is not an integer; allowed: "
-                         f"integers {allowed}")
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"SamplingParams.{name}={value!r} is out of range; allowed: {allowed}")
+def _check(name, value, range_=None, problem="{field}={value!r} is out of range"):
+    """Raise RequestError unless `value` is in `range_` (default `RANGES[name]`): an integer
+    for an integer range, else a finite real."""
+    range_ = range_ or RANGES[name]
+    if range_.integer and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+        raise RequestError(name, value, f"integers {range_.allowed}", code="invalid_type",
+                           problem="{field}={value!r} is not an integer")
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not real or not (range_.integer or math.isfinite(value)) or value not in range_:
+        raise RequestError(name, value, range_.allowed, problem=problem)
 
 
 @struct.dataclass

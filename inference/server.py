@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import queue
 import re
 import secrets
@@ -54,7 +55,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt_jax.cache import pages_for
 from inference.engine import CROP_HINT, Engine, RequestOutput, validate
-from inference.sampling import MAX_LOGPROBS, SamplingParams
+from inference.errors import RequestError
+from inference.load import add_model_args, load_model
+from inference.sampling import API_MAX_TEMPERATURE, RANGES, SamplingParams
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
 WINDOW_S = 10.0  # the generation_tokens_per_second window
@@ -68,6 +71,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _bounded(default, name: str, **api_bounds):
+    """A pydantic Field bounded as SamplingParams bounds the field `name` (`RANGES`), or by
+    `api_bounds` where the API differs."""
+    range_ = RANGES[name]
+    bounds = {"gt" if range_.low_open else "ge": range_.low}
+    if range_.high != math.inf:
+        bounds["le"] = range_.high
+    return Field(default, **(bounds | api_bounds))
+
+
 class CompletionRequest(BaseModel):
     """The body of POST /v1/completions (OpenAI's fields, then vLLM's extra ones). A field
     sent as null takes its default. Unknown fields are refused, so a misspelt one is named
@@ -77,25 +90,25 @@ class CompletionRequest(BaseModel):
 
     model: Optional[str] = None
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=0, le=2**31 - 1)
-    temperature: Optional[float] = Field(1.0, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(1.0, ge=0.0, le=1.0)
-    n: Optional[int] = Field(1, ge=1, le=2**31 - 1)
+    max_tokens: Optional[int] = _bounded(16, "max_new_tokens")
+    temperature: Optional[float] = _bounded(1.0, "temperature", le=API_MAX_TEMPERATURE)
+    top_p: Optional[float] = _bounded(1.0, "top_p")
+    n: Optional[int] = _bounded(1, "n")
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = Field(None, ge=0, le=2**32 - 1)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
+    seed: Optional[int] = _bounded(None, "seed")
+    logprobs: Optional[int] = _bounded(None, "logprobs")
+    presence_penalty: Optional[float] = _bounded(0.0, "presence_penalty")
+    frequency_penalty: Optional[float] = _bounded(0.0, "frequency_penalty")
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     echo: Optional[bool] = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     user: Optional[str] = None
-    top_k: Optional[int] = Field(0, ge=-1, le=2**31 - 1)  # vLLM: -1 or 0 = off
-    min_p: Optional[float] = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: Optional[float] = Field(1.0, gt=0.0)
-    min_tokens: Optional[int] = Field(0, ge=0, le=2**31 - 1)
+    top_k: Optional[int] = _bounded(0, "top_k", ge=-1)  # vLLM: -1 or 0 = off
+    min_p: Optional[float] = _bounded(0.0, "min_p")
+    repetition_penalty: Optional[float] = _bounded(1.0, "repetition_penalty")
+    min_tokens: Optional[int] = _bounded(0, "min_tokens")
     logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias
 
 
@@ -142,6 +155,15 @@ def _validation_error(error: ValidationError | RequestValidationError) -> APIErr
     return APIError(400, f"{param}={value} is invalid: {first['msg']}", param=param)
 
 
+API_FIELDS = {"max_new_tokens": "max_tokens"}  # the engine's field names -> the API's
+
+
+def _request_error(error: RequestError) -> APIError:
+    """A 400 naming the field, and every field its message mentions, as the API does."""
+    param = API_FIELDS.get(error.field, error.field)
+    return APIError(400, error.message(param, API_FIELDS), param=param, code=error.code)
+
+
 def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingParams:
     """SamplingParams of a request. Raises APIError for a field we do not support."""
     if body.echo:
@@ -171,10 +193,8 @@ def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingPa
             stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
             stop_token_ids=[] if eos_token_id is None else [eos_token_id],
             min_tokens=pick(body.min_tokens, 0), logit_bias=bias)
-    except ValueError as error:  # name the API's field, not ours
-        message = str(error).replace("SamplingParams.", "").replace("max_new_tokens",
-                                                                    "max_tokens")
-        raise APIError(400, message, param=re.split(r"[=\[ ]", message)[0]) from None
+    except RequestError as error:
+        raise _request_error(error) from None
 
 
 # ---------------------------------------------------------------------- the engine thread
@@ -732,8 +752,6 @@ class _Completion:
 # ---------------------------------------------------------------------- command line
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from inference.cli import add_model_args
-
     p = argparse.ArgumentParser(prog="gpt-jax serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
@@ -759,8 +777,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     import uvicorn
-
-    from inference.cli import load_model
 
     args = parse_args(argv)
     for name, low, high in (("max_slots", 1, None), ("max_queue", 0, None),

@@ -503,3 +503,29 @@ def test_serve_refuses_bad_flags_and_models_before_it_listens(tmp_path, config, 
     argv += [f.format(empty=tmp_path / "empty") for f in flags]
     with pytest.raises(SystemExit, match=r"^gpt-jax serve: .*" + message):
         server.main(argv)
+
+
+def test_the_request_model_bounds_each_field_as_sampling_params_does():
+    """One range per field, in inference/sampling.py (`RANGES`): the server's request model
+    takes its bounds from there; it differs only where the API does (temperature at most 2,
+    as OpenAI documents; top_k -1 = off, as vLLM)."""
+    from inference.sampling import API_MAX_TEMPERATURE, RANGES
+    from inference.server import CompletionRequest
+
+    api_names = {"max_tokens": "max_new_tokens"}
+    differs = {"temperature": {"le": API_MAX_TEMPERATURE}, "top_k": {"ge": -1}}
+    checked = set()
+    for name, field in CompletionRequest.model_fields.items():
+        engine_name = api_names.get(name, name)
+        if engine_name not in RANGES:
+            continue
+        range_ = RANGES[engine_name]
+        expected = {"gt" if range_.low_open else "ge": range_.low}
+        if range_.high != float("inf"):
+            expected["le"] = range_.high
+        expected |= differs.get(name, {})
+        bounds = {key: getattr(m, key) for m in field.metadata for key in ("ge", "gt", "le")
+                  if hasattr(m, key)}
+        assert bounds == expected, name
+        checked.add(engine_name)
+    assert checked == set(RANGES)  # every numeric field the API has

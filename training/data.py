@@ -137,3 +137,9 @@ def get_batch(data: np.ndarray, batch_size: int, block_size: int, seed: int, ste
     x = np.stack([data[s: s + block_size] for s in starts])
     y = np.stack([data[s + 1: s + 1 + block_size] for s in starts])
     return x.astype(np.int32), y.astype(np.int32)
+
+
+def main(argv=None) -> None:
+    """`gpt-jax data`: download the built-in Shakespeare corpus (once) and print its size."""
+    plays = shakespeare_plays()
+    print(f"{len(plays)} plays, {sum(map(len, plays.values())):,} characters")

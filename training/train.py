@@ -39,12 +39,12 @@ import tyro
 from tqdm import tqdm
 
 from gpt_jax import checkpoint
-from gpt_jax.cli import closed_pipe_is_quiet, restart_with_huge_pages
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import param_count
 from gpt_jax.tokenizer import BPETokenizer, CharTokenizer
 from training import data, distributed, report, sharding
 from training.config import TRAIN_PRESETS, TrainConfig
+from training.process import closed_pipe_is_quiet, restart_with_huge_pages
 from training.step import TrainState, evaluate, init_state, make_optimizer, make_train_steps
 
 
@@ -577,7 +577,7 @@ def large_buffers(cfg: TrainConfig) -> bool:
 
     Measured (alternated processes): the gpt2 shape at batch 4 x 256 on 2 devices took 616k
     page faults and 1.3 s of system time per 6.3-6.5 s step; with huge pages (see
-    `gpt_jax.cli.restart_with_huge_pages`) 2.2k and 0.27 s, steps of 5.3-5.75 s. The
+    `training.process.restart_with_huge_pages`) 2.2k and 0.27 s, steps of 5.3-5.75 s. The
     nanogpt-cpu step (1 MB arrays, reused from the heap) ran ~5% slower with them (38.5
     against 36.5 ms median, 5 rounds out of 5), so small models keep 4 KiB pages."""
     config = GPTConfig.preset(cfg.model)

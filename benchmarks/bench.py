@@ -1,0 +1,45 @@
+"""`gpt-jax bench NAME [flags]`: run benchmarks/speed.py NAME (the speed benchmarks) or
+benchmarks/NAME.py, from a source checkout (benchmarks/ is not installed)."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+# How to install the comparison's PyTorch: the local CPU build, before transformers (which
+# would otherwise pull a multi-GB CUDA build), as the Makefile's test install does.
+INSTALL_TORCH = "`pip install torch==2.13.0 transformers`, torch first"
+
+SPEED_BENCHMARKS = ("throughput", "live-length", "roofline", "ttft", "compiles")
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark `argv[0]` with the flags after it; its exit status (1 when it needs
+    torch or transformers and they are not installed, 2 for an unknown name)."""
+    folder = Path(__file__).resolve().parent
+    scripts = sorted(p.stem for p in folder.glob("*.py"))
+    names = list(SPEED_BENCHMARKS) + [s for s in scripts if s not in ("speed", "bench")]
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"usage: gpt-jax bench NAME [flags]; NAME one of {', '.join(names)}; "
+              "gpt-jax bench NAME --help for its flags (benchmarks/README.md)")
+        return 0
+    if not argv or argv[0] not in names:
+        got = repr(argv[0]) if argv else "nothing"
+        print(f"gpt-jax bench: got {got}; choose one of {', '.join(names)}", file=sys.stderr)
+        return 2
+    name, rest = argv[0], argv[1:]
+    script, args = (("speed", [name] + rest) if name in SPEED_BENCHMARKS else (name, rest))
+    sys.argv = [f"gpt-jax bench {name}"] + args
+    path = folder / f"{script}.py"
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except ModuleNotFoundError as error:
+        if error.name not in ("torch", "transformers"):
+            raise
+        skip = "; or pass --no-hf to leave transformers out" if "--no-hf" in \
+            path.read_text() else ""
+        print(f"gpt-jax bench {name}: needs {error.name}, which `make test` installs (or "
+              f"{INSTALL_TORCH}){skip}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,56 @@
+"""Loading a model for any command (`gpt-jax generate`, `serve`, `export`): the flags that
+say where it comes from and how it runs, and the loaders that read them."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpt_jax import checkpoint
+from gpt_jax.config import GPTConfig
+from gpt_jax.params import QUANTIZE
+from inference.llm import DTYPES
+
+
+def add_model_args(p: argparse.ArgumentParser, quantize: bool = True) -> None:
+    """--run-dir, --hf-checkpoint, --dtype and (when `quantize`) --quantize: where the model
+    comes from (`load_model`) and how it runs."""
+    p.add_argument("--run-dir", default="runs/shakespeare-char", help="training run directory")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights and KV cache dtype (bfloat16 halves the bytes read per step)")
+    if quantize:
+        p.add_argument("--quantize", choices=QUANTIZE, default=None,
+                       help="int8: weight-only int8, a float32 scale per output channel, "
+                            "quantized at load (a quarter of float32's weight bytes per step; "
+                            "activations float32; --dtype is then the KV cache's)")
+    p.add_argument("--hf-checkpoint", metavar="DIR",
+                   help="a Hugging Face GPT-2 directory (config.json + model.safetensors) "
+                        "instead of --run-dir; text goes through its tokenizer "
+                        "(tokenizer.json, or vocab.json + merges.txt)")
+
+
+def load_model(args):
+    """`(params, config, tokenizer, eos_token_id)` of the --hf-checkpoint directory (its
+    tokenizer and EOS id may be None), else of the --run-dir run (EOS None).
+
+    Raises:
+      FileNotFoundError, ValueError: as `gpt_jax.checkpoint.load_params` and
+        `gpt_jax.hf.load_hf_gpt2` do.
+    """
+    if not args.hf_checkpoint:
+        config, params, tokenizer = checkpoint.load_params(args.run_dir)
+        return params, config, tokenizer, None
+    from gpt_jax.hf import load_hf_eos_token_id, load_hf_gpt2, load_hf_tokenizer
+
+    config, params = load_hf_gpt2(args.hf_checkpoint)
+    return (params, config, load_hf_tokenizer(args.hf_checkpoint),
+            load_hf_eos_token_id(args.hf_checkpoint))
+
+
+def load_config(args) -> GPTConfig:
+    """The GPTConfig of `load_model`'s model, without reading the weights (to check flags
+    against it first). Raises FileNotFoundError, ValueError naming the directory."""
+    if not args.hf_checkpoint:
+        return checkpoint.load_config(args.run_dir)
+    from gpt_jax.hf import load_hf_config
+
+    return load_hf_config(args.hf_checkpoint)

@@ -1,0 +1,54 @@
+"""RequestError (inference/errors.py): what a bad request carries, and how each front names
+the field in it without reading the message back."""
+
+import pytest
+
+from inference import SamplingParams
+from inference.errors import RequestError
+
+
+def test_the_message_names_the_field_the_value_and_what_is_allowed_as_each_front_does():
+    error = RequestError("min_tokens", 9, "0 <= {min_tokens} <= {max_new_tokens}",
+                         problem="{field}={value!r} is more than {max_new_tokens}=8")
+    assert isinstance(error, ValueError)
+    assert (error.field, error.value, error.code) == ("min_tokens", 9, "invalid_value")
+    assert str(error) == ("SamplingParams.min_tokens=9 is more than max_new_tokens=8; "
+                          "allowed: 0 <= min_tokens <= max_new_tokens")
+    assert error.message("min_tokens", {"max_new_tokens": "max_tokens"}) == (  # the server
+        "min_tokens=9 is more than max_tokens=8; allowed: 0 <= min_tokens <= max_tokens")
+    assert error.message("--min-tokens") == (  # the command line: the flag it was given by
+        "--min-tokens=9 is more than max_new_tokens=8; allowed: 0 <= min_tokens <= "
+        "max_new_tokens")
+    plain = RequestError("top_p", 2.0, "[0, 1]", owner="")
+    assert str(plain) == "top_p=2.0 is out of range; allowed: [0, 1]"
+
+
+@pytest.mark.parametrize("fields, field, value, code", [
+    (dict(temperature=-1.0), "temperature", -1.0, "invalid_value"),
+    (dict(top_k=1.5), "top_k", 1.5, "invalid_type"),
+    (dict(top_p=2.0), "top_p", 2.0, "invalid_value"),
+    (dict(min_p=float("nan")), "min_p", None, "invalid_value"),
+    (dict(repetition_penalty=0.0), "repetition_penalty", 0.0, "invalid_value"),
+    (dict(presence_penalty=3.0), "presence_penalty", 3.0, "invalid_value"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty", -3.0, "invalid_value"),
+    (dict(seed=-1), "seed", -1, "invalid_value"),
+    (dict(max_new_tokens=-1), "max_new_tokens", -1, "invalid_value"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids", -3, "invalid_value"),
+    (dict(stop=[""]), "stop", "", "invalid_value"),
+    (dict(logprobs=21), "logprobs", 21, "invalid_value"),
+    (dict(n=0), "n", 0, "invalid_value"),
+    (dict(stop_sequences=[[]]), "stop_sequences", (), "invalid_value"),
+    (dict(min_tokens=9, max_new_tokens=8), "min_tokens", 9, "invalid_value"),
+    (dict(logit_bias={5: 101.0}), "logit_bias", 101.0, "invalid_value"),
+    (dict(logit_bias=[(5,)]), "logit_bias", (5,), "invalid_type"),
+    (dict(logit_bias=5), "logit_bias", 5, "invalid_type"),
+    (dict(context_overflow="wrap"), "context_overflow", "wrap", "invalid_value"),
+])
+def test_every_bad_sampling_field_raises_a_request_error_naming_it(fields, field, value, code):
+    with pytest.raises(RequestError) as raised:
+        SamplingParams(**fields)
+    error = raised.value
+    assert (error.field, error.code) == (field, code)
+    if value is not None:  # NaN equals nothing
+        assert error.value == value
+    assert str(error).startswith(f"SamplingParams.{field}") and "; allowed: " in str(error)

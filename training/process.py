@@ -1,0 +1,46 @@
+"""This process as a command: restarting it with huge pages, and ending it quietly when its
+reader closes stdout."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+
+
+def restart_with_huge_pages(module: str, argv: list[str]) -> None:
+    """Restart this process as `python -m module *argv` (the same pid and environment) with
+    glibc's malloc asking the kernel for transparent huge pages (`GLIBC_TUNABLES` +=
+    `glibc.malloc.hugetlb=1`, glibc 2.35 and later), unless the variable already names that
+    tunable or this is not Linux. Call it before any work: nothing after it runs twice.
+    Other C libraries ignore the variable.
+
+    What for: `training.train` restarts so when its buffers are large (`large_buffers`);
+    see there for the measurements.
+    """
+    if not sys.platform.startswith("linux") or \
+            "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
+        return
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], huge_pages_environ())
+
+
+def huge_pages_environ() -> dict[str, str]:
+    """This process's environment with `HUGE_PAGES` added to `GLIBC_TUNABLES` (after any
+    tunables already there)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGE_PAGES]))}
+
+
+def closed_pipe_is_quiet(main_fn):
+    """`main_fn` wrapped so that a reader closing stdout early (`gpt-jax train --help |
+    head`) ends the command with status 1 and no traceback: stdout is pointed at /dev/null
+    so the interpreter's last flush does not raise again (as Python's signal docs advise)."""
+    def run(*args, **kwargs):
+        try:
+            return main_fn(*args, **kwargs)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+    return run
