@@ -33,9 +33,10 @@ from gpt_jax import checkpoint
 from gpt_jax.config import GPTConfig
 from gpt_jax.cache import cache_bytes, pages_for
 from gpt_jax.params import QUANTIZE
-from inference.engine import CROP_HINT, generate, init_cache_rows, pack, prefill, validate
+from inference.generation import CROP_HINT, generate, pack, validate
 from inference.llm import DTYPES, LLM
 from inference.sampling import CONTEXT_OVERFLOW, SamplingParams
+from inference.steps import init_cache_rows, prefill
 
 
 DEFAULT_MAX_NEW_TOKENS = 200

@@ -53,7 +53,9 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt_jax.cache import pages_for
-from inference.engine import CROP_HINT, Engine, RequestOutput, validate
+from inference.detokenize import RequestOutput
+from inference.engine import Engine
+from inference.generation import CROP_HINT, validate
 from inference.sampling import MAX_LOGPROBS, SamplingParams
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
