@@ -14,7 +14,6 @@ from conftest import assert_close, assert_lively
 from gpt_jax import CharTokenizer, init_cache
 from inference import Engine, SamplingParams, compile_counts, generate, prefill
 from inference.llm import LLM
-from inference.scheduler import Scheduler, Sequence
 
 TOKENIZER = CharTokenizer([chr(ord("0") + i) for i in range(64)])  # '0'..'o', one per id
 
@@ -163,36 +162,6 @@ def test_chunked_prefill_equals_one_prefill(config, params):
     (alone,) = generate(params, config, [prompt], sp)
     assert_lively(alone.tokens)
     assert finals["long"].token_ids == alone.tokens
-
-
-def test_a_prefill_call_fills_its_budget_with_several_prompts_not_padding():
-    """Prompts of 72 and 100 tokens, a 128-token budget: one prompt padded to 128 would put
-    72 or 100 tokens through a call; two rows of 64 put 128 through, then 8 + 36 (rows of
-    64, not one row of 128 holding 8). A lone prompt still goes in one row of its bucket; a
-    long one in chunks of the budget (or of prefill_chunk_tokens); many short ones in rows of
-    16."""
-    def calls(lengths, chunk=128):
-        s = Scheduler(max_slots=8, num_pages=64, page_size=16, max_seq_len=512,
-                      max_prefill_tokens=128, prefill_chunk_tokens=chunk, prefix_caching=False)
-        for i, n in enumerate(lengths):
-            s.waiting.append(Sequence(str(i), 0, list(range(n)),
-                                      SamplingParams(max_new_tokens=4), 0, 0, i))
-        s.admit()
-        shapes = []
-        while work := s.prefill_work():
-            shapes.append([(w.seq.request_id, w.start, w.n) for w in work])
-            s.prefilled(work)
-        return shapes
-
-    assert calls([72, 100]) == [[("0", 0, 64), ("1", 0, 64)], [("0", 64, 8), ("1", 64, 36)]]
-    assert calls([100]) == [[("0", 0, 100)]]
-    assert calls([300]) == [[("0", 0, 128)], [("0", 128, 128)], [("0", 256, 44)]]
-    assert calls([20] * 6) == [[(str(i), 0, 16) for i in range(6)],
-                               [(str(i), 16, 4) for i in range(6)]]
-    # at most 64 tokens of one prompt per call: the long one goes in chunks of 64
-    assert calls([300], chunk=64) == [[("0", lo, 64)] for lo in range(0, 256, 64)] + \
-        [[("0", 256, 44)]]
-    assert calls([72, 100], chunk=64) == calls([72, 100])
 
 
 def test_a_random_workload_compiles_at_most_12_programs(config, params):
