@@ -37,7 +37,7 @@ import numpy as np
 from gpt_jax import GPTConfig, forward, init_params
 from gpt_jax.model import decode_layout, forward_last
 from inference import Engine, SamplingParams, generate
-from inference.engine import _decode, init_cache_rows, prefill
+from inference.steps import init_cache_rows, prefill, run_decode
 
 
 def run_engine(engine, prompts, sampling) -> int:
@@ -125,7 +125,7 @@ def step_costs(params, config, batch) -> dict[str, float]:
             lambda p, w: prefill(p, config, w, jnp.full((batch,), C, jnp.int32), empty)[0],
             (layout, windows)),
         "cached decode step (for scale)": (
-            jax.jit(lambda p, t: _decode(p, config, t, full, hold)[0]), (layout, windows[:, 0])),
+            jax.jit(lambda p, t: run_decode(p, config, t, full, hold)[0]), (layout, windows[:, 0])),
         "forward_last, 1 window": (jax.jit(forward_last, static_argnames="config"),
                                    (layout, windows[:1], config)),
         "forward_last, 16 windows": (jax.jit(forward_last, static_argnames="config"),

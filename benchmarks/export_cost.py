@@ -11,7 +11,7 @@ Random weights (GPT-2's initialization) in the decode layout (`decode_layout`, a
 and `Engine` hold them), float32, greedy, no EOS: every row generates --new-tokens tokens (shakespeare-char: 48 after a 16-token prompt, its
 64-token context; gpt2: --new-tokens after --prompt-len). Each configuration runs
   generate         `inference.generate` (what this process runs: the CPU kernel decodes);
-  generate, XLA    the same `inference.engine.generation` program, jitted fresh and traced
+  generate, XLA    the same `inference.generation.generation` program, jitted fresh and traced
                    inside `cpu_attention.portable()`: the portable attention, weights passed
                    as arguments (isolates the attention path from the export);
   exported         `export_generate`'s program, serialized and deserialized as a loader
@@ -39,7 +39,8 @@ import numpy as np
 
 from gpt_jax import GPTConfig, cpu_attention, init_params
 from gpt_jax.model import decode_layout
-from inference import SamplingParams, engine, generate
+from inference import SamplingParams, generate, generation
+from inference.steps import cached_model
 from inference.export import export_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a file or by `gpt-jax bench`
@@ -48,24 +49,24 @@ from speed import interleaved, save  # noqa: E402
 MIN_TURN_S = 1.0  # shortest timed turn of one configuration in a round
 
 
-# `engine.generation` under another function object (same signature): its own jit cache,
+# `generation.generation` under another function object (same signature): its own jit cache,
 # so the trace made inside `portable()` is never shared with `generate_program`'s.
-xla_program = jax.jit(functools.wraps(engine.generation)(
-    lambda *args, **kwargs: engine.generation(*args, **kwargs)),
+xla_program = jax.jit(functools.wraps(generation.generation)(
+    lambda *args, **kwargs: generation.generation(*args, **kwargs)),
     static_argnames=("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype",
                      "pad_id", "forked"))
 
 
 def xla_generate(params, config, prompts, sampling):
     """`generate` with XLA's portable attention (same packing, program and unpacking)."""
-    batch = engine.pack(config, *engine.validate(config, prompts, sampling))
+    batch = generation.pack(config, *generation.validate(config, prompts, sampling))
     with cpu_attention.portable():
         state = xla_program(params, config, batch.tokens_PT, batch.lengths_P, batch.source_B,
                             batch.rows, batch.stops, capacity=batch.capacity,
                             n_steps=batch.n_steps, n_top=batch.n_top,
-                            model_fns=engine.cached_model, cache_dtype=np.dtype("float32"),
+                            model_fns=cached_model, cache_dtype=np.dtype("float32"),
                             pad_id=0, forked=batch.forked)
-    return [c.tokens for c in engine.unpack(batch, state)]
+    return [c.tokens for c in generation.unpack(batch, state)]
 
 
 def _first_difference(rows_a, rows_b) -> int | None:

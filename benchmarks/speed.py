@@ -39,7 +39,7 @@ from gpt_jax import GPTConfig, init_params
 from gpt_jax.model import decode_layout
 from gpt_jax.params import QUANTIZE, is_quantized, quantize
 from inference import SamplingParams, compile_counts, generate
-from inference.engine import cached_model, init_cache_rows
+from inference.steps import cached_model, init_cache_rows
 from inference.naive import naive_model
 
 RESULTS = Path(__file__).resolve().parent / "results"

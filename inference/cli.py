@@ -29,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax.cache import cache_bytes, pages_for
-from inference.engine import CROP_HINT, generate, init_cache_rows, pack, prefill, validate
 from inference.errors import RequestError
+from inference.generation import CROP_HINT, generate, pack, validate
 from inference.llm import LLM
 from inference.load import add_model_args, load_model
 from inference.sampling import CONTEXT_OVERFLOW, SamplingParams
+from inference.steps import init_cache_rows, prefill
 
 
 DEFAULT_MAX_NEW_TOKENS = 200

@@ -24,7 +24,7 @@ The call, fixed (B, T, N: the exported --batch, --prompt-len, --max-new-tokens):
 Prompts are right-padded (what lies past a row's length is ignored); temperature 0 is greedy;
 a row stops after the model's EOS id (kept and counted) when it has one, else after N
 tokens; `tokens_BN[b, :num_tokens_B[b]]` is row b's output, 0 after it. The program is
-`inference.engine.generation` (prefill, the `lax.scan` decode loop in a `lax.while_loop`,
+`inference.generation.generation` (prefill, the `lax.scan` decode loop in a `lax.while_loop`,
 sampling, EOS stop) on those inputs, so a row's tokens equal `inference.generate`'s for the
 same prompt, temperature, top_p, seed and max_new_tokens N (up to float rounding: XLA's
 attention runs here, the CPU kernel there); the prompt's hash that keys a row's noise is
@@ -53,9 +53,10 @@ from gpt_jax.config import GPTConfig
 from gpt_jax.model import decode_layout
 from gpt_jax.params import check_params, param_count
 from inference import stopping
-from inference.engine import cached_model, generation
+from inference.generation import generation
 from inference.load import add_model_args, load_config, load_model
 from inference.sampling import SamplingArrays, prompt_hashes
+from inference.steps import cached_model
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what jax.export lowers for
 PAD_ID = 0  # the prompt padding fed to the model, and the token after a row's output
@@ -119,7 +120,7 @@ def generation_fn(params, config: GPTConfig, *, batch: int, max_new_tokens: int,
     """The function `export_generate` exports: `(tokens_BT, lengths_B, temperature_B,
     top_p_B, seed_B) -> (tokens_BN, num_tokens_B)` (see INPUTS, OUTPUTS), with `params`
     (cast to `cache_dtype`, in the decode layout) closed over as constants. It runs
-    `inference.engine.generation` with the rows' sampling arrays built from its inputs:
+    `inference.generation.generation` with the rows' sampling arrays built from its inputs:
     every other sampling option off, EOS the only stop, max_new_tokens N for every row."""
     params = jax.jit(decode_layout)(jax.tree.map(lambda a: a.astype(cache_dtype), params))
     eos = () if eos_token_id is None else (int(eos_token_id),)

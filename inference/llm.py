@@ -29,7 +29,9 @@ import jax.numpy as jnp
 
 from gpt_jax import checkpoint
 from gpt_jax.params import inference_params
-from inference import engine
+from inference.engine import Engine
+from inference.generation import validate
+from inference.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -58,12 +60,12 @@ def crop_by_default(sampling):
     """`sampling` (None, one SamplingParams or a list) with every `context_overflow` of None
     made "crop", the LLM's default."""
     def crop(sp):
-        sp = engine.SamplingParams() if sp is None else sp
-        if isinstance(sp, engine.SamplingParams) and sp.context_overflow is None:
+        sp = SamplingParams() if sp is None else sp
+        if isinstance(sp, SamplingParams) and sp.context_overflow is None:
             return dataclasses.replace(sp, context_overflow="crop")
         return sp  # another type: validate names it
 
-    if sampling is None or isinstance(sampling, engine.SamplingParams):
+    if sampling is None or isinstance(sampling, SamplingParams):
         return crop(sampling)
     return [crop(sp) for sp in sampling]
 
@@ -101,12 +103,12 @@ class LLM:
         self.params = inference_params(params, config, self.cache_dtype, quantize)
         self.quantize = quantize
         self.config, self.tokenizer = config, tokenizer
-        self._engines: dict[int, engine.Engine] = {}  # by max_slots
+        self._engines: dict[int, Engine] = {}  # by max_slots
 
-    def engine(self, max_slots: int) -> engine.Engine:
+    def engine(self, max_slots: int) -> Engine:
         """The LLM's Engine with `max_slots` decode slots (made once, then reused)."""
         if max_slots not in self._engines:
-            self._engines[max_slots] = engine.Engine(
+            self._engines[max_slots] = Engine(
                 self.params, self.config, self.tokenizer, max_slots=max_slots,
                 cache_dtype=self.cache_dtype, quantize=self.quantize)
         return self._engines[max_slots]
@@ -144,7 +146,7 @@ class LLM:
           progress: show the progress bar (stderr).
         Raises:
           ValueError: `max_batch_size` < 1, a prompt character outside the tokenizer's
-            vocabulary, or any invalid request (see `inference.engine.validate`), before
+            vocabulary, or any invalid request (see `inference.generation.validate`), before
             anything runs.
         """
         from tqdm import tqdm
@@ -152,7 +154,7 @@ class LLM:
         deltas = self.stream(prompts, sampling, max_batch_size=max_batch_size)
         done = {}
         per_prompt = sampling if isinstance(sampling, (list, tuple)) else \
-            [sampling or engine.SamplingParams()] * len(prompts)
+            [sampling or SamplingParams()] * len(prompts)
         total = sum(sp.n for sp in per_prompt)
         with tqdm(total=total, disable=not progress, unit="completion",
                   desc="generate") as bar:
@@ -170,7 +172,7 @@ class LLM:
         (not at the first delta)."""
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        token_prompts, per_prompt = engine.validate(self.config, self._encode(prompts),
+        token_prompts, per_prompt = validate(self.config, self._encode(prompts),
                                                     crop_by_default(sampling))
         for p, sp in zip(token_prompts, per_prompt):
             if not p and sp.max_new_tokens > 0:
@@ -200,5 +202,5 @@ class LLM:
                         yield Delta(i, out.new_text, completion)
         finally:  # a consumer that stops early leaves no request behind
             for request_id in ids:
-                if request_id in eng.requests:
+                if request_id in eng.scheduler.requests:
                     eng.abort(request_id)

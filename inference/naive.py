@@ -3,7 +3,7 @@
 Every step runs `gpt_jax.forward` over the whole sequence so far and reads the logits at each
 row's last token; a sequence longer than the context ("crop" requests) runs from its last
 max_seq_len tokens, as nanoGPT's `sample` does (`idx_cond = idx[:, -block_size:]`). It
-shares the loop, sampler and stop logic of `inference.engine`, so any difference from
+shares the loop, sampler and stop logic of `inference.decode`, so any difference from
 `generate` is the cache's fault.
 """
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from gpt_jax.model import forward
-from inference.engine import Completion, run
+from inference.generation import Completion, run
 
 
 @struct.dataclass
@@ -38,7 +38,7 @@ def _last_logits(params, config, seqs: Sequences):
 
 def naive_model(params, config, capacity, cache_dtype):
     """`(prefill_fn, step_fn)` that recompute the full sequence every step (the interface of
-    `inference.engine.cached_model`)."""
+    `inference.steps.cached_model`)."""
     del cache_dtype  # nothing is cached
 
     def prefill_fn(tokens_PT, lengths_P, source_B, forked):

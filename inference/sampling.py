@@ -7,7 +7,7 @@ never recompiles.
 Order of the transforms (the order of Hugging Face's default logits processors and vLLM's
 sampler):
   0. `logit_bias` (OpenAI API): each row's bias `[V]` added to its raw logits, before anything
-     else. (Before that, `inference.engine.sample_and_record` sets a row's EOS logits to -inf
+     else. (Before that, `inference.decode.sample_and_record` sets a row's EOS logits to -inf
      while the row is inside its `min_tokens`: `inference.stopping.ban_early_eos`.)
   1. penalties on the biased logits: repetition (CTRL, Keskar et al. 2019: divide a positive
      logit, multiply a negative one, once per seen token, prompt and output), then presence
@@ -132,10 +132,10 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> bias in [-100, 100], added to the raw logits before
     # penalties, temperature and filters (not to the reported logprobs, which stay the
     # model's). Given as a dict or (id, bias) pairs; kept as pairs sorted by id (hashable).
-    # Ids past the vocabulary are refused by `inference.engine.validate`, which knows it.
+    # Ids past the vocabulary are refused by `inference.generation.validate`, which knows it.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # What a request that outgrows the model's context (max_seq_len) does: "error" refuses
-    # a prompt + max_new_tokens past it (`inference.engine.validate`); "crop" (nanoGPT's
+    # a prompt + max_new_tokens past it (`inference.generation.validate`); "crop" (nanoGPT's
     # sample: `idx_cond = idx[:, -block_size:]`) predicts each token from exactly the last
     # max_seq_len tokens of prompt and output, and crops a longer prompt to its last
     # max_seq_len tokens (the penalties and the prompt hash then see only those). None: the
@@ -242,7 +242,7 @@ class SamplingArrays:
     def from_params(cls, rows: list[SamplingParams], seeds: list[int], sample_index: list[int],
                     prompt_hashes: list[int], vocab_size: int):
         """The arrays of these rows (`[B]` each, `logit_bias` `[B, vocab_size]`). Token ids
-        in `logit_bias` must be below vocab_size (`inference.engine.validate` checks)."""
+        in `logit_bias` must be below vocab_size (`inference.generation.validate` checks)."""
         def col(name, dtype):
             return jnp.asarray(np.array([getattr(r, name) for r in rows], dtype))
 

@@ -1,14 +1,13 @@
-"""The host side of `inference.Engine`: sequences and their states, the page allocator with
-automatic prefix caching, and the choice of what to prefill, decode or preempt each step.
+"""The host side of `inference.Engine`: sequences and their states, and the choice of what to
+admit, prefill, decode or preempt each step, over the pages of `inference.pages.PagePool`
+(reference counts and automatic prefix caching).
 
-Nothing here touches the device: it decides page tables and batches of work, which the
-engine's jitted programs then run.
-
-Prefix caching (vLLM's automatic prefix caching): a full page is keyed by a hash of its
-tokens and of every token before it (a chain of digests, one per page), so equal keys mean
-equal keys and values in the page. Pages are reference-counted; a cached page whose last
-user let go stays cached (evictable, least recently used first) until a new page is
-needed and no never-cached page is free.
+The contract is vLLM v1's: `add` and `abort` requests' sequences, `schedule()` returns a
+`SchedulerPlan` (which chunks to prefill, or which sequences to decode and which were
+preempted for them), the engine runs it on the device, and `update(plan, results)` advances
+the sequences from what the device returned. Nothing here touches the device, and nothing
+imports JAX: the policy (admission, chunked prefill, preemption, prefix reuse, eviction)
+is tested without a model (tests/test_scheduler.py).
 """
 
 from __future__ import annotations
@@ -16,81 +15,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import hashlib
 import heapq
+from typing import TYPE_CHECKING
 
-import numpy as np
+from inference.pages import PagePool, page_hashes
 
-from gpt_jax.cache import NO_PAGE, pages_for
-from inference.sampling import SamplingParams
+if TYPE_CHECKING:  # sampling imports JAX; the scheduler only reads a request's fields
+    from inference.sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16  # the shortest padded prompt length of a prefill call
-
-
-def page_hashes(tokens: list[int], page_size: int) -> list[bytes]:
-    """The prefix-cache key of each full page of `tokens`: a digest of the page's tokens and
-    the previous page's key (BLAKE2b, 16 bytes), so a key names the whole prefix."""
-    keys, parent = [], b""
-    for lo in range(0, len(tokens) - page_size + 1, page_size):
-        page = np.asarray(tokens[lo: lo + page_size], np.int64).tobytes()
-        parent = hashlib.blake2b(parent + page, digest_size=16).digest()
-        keys.append(parent)
-    return keys
-
-
-class PagePool:
-    """Reference-counted pages with a prefix cache. Page ids index the device pools."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self.refs = np.zeros(num_pages, np.int64)
-        self.free = collections.deque(range(num_pages))  # never cached, unused
-        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
-        self.page_of: dict[bytes, int] = {}  # prefix key -> cached page
-        self.key_of: dict[int, bytes] = {}  # cached page -> its key
-
-    def num_free(self) -> int:
-        """Pages that can be handed out now (unused, cached or not)."""
-        return len(self.free) + len(self.evictable)
-
-    def allocate(self) -> int:
-        """A page for a new user (refs 1). Raises IndexError when none is free."""
-        if self.free:
-            page = self.free.popleft()
-        else:
-            page, _ = self.evictable.popitem(last=False)  # least recently used
-            del self.page_of[self.key_of.pop(page)]
-        self.refs[page] = 1
-        return page
-
-    def retain(self, page: int) -> None:
-        """One more user of a cached page."""
-        self.evictable.pop(page, None)
-        self.refs[page] += 1
-
-    def release(self, pages: list[int]) -> None:
-        """Users let go: a page nobody uses goes back to the free list, or stays cached."""
-        for page in pages:
-            self.refs[page] -= 1
-            if self.refs[page] == 0:
-                if page in self.key_of:
-                    self.evictable[page] = None
-                else:
-                    self.free.append(page)
-
-    def lookup(self, keys: list[bytes]) -> list[int]:
-        """The cached pages of the longest run of `keys` from the start."""
-        pages = []
-        for key in keys:
-            if key not in self.page_of:
-                break
-            pages.append(self.page_of[key])
-        return pages
-
-    def register(self, page: int, key: bytes) -> None:
-        """Cache a full, written page under `key` (a page already cached keeps its key)."""
-        if key not in self.page_of and page not in self.key_of:
-            self.page_of[key], self.key_of[page] = page, key
 
 
 class Status(enum.Enum):
@@ -145,27 +78,143 @@ class PrefillWork:
         return self.start + self.n == len(self.seq.target)
 
 
+@dataclasses.dataclass
+class SchedulerPlan:
+    """What one engine step runs: one prefill call, or one chunk of decode steps, or nothing."""
+
+    prefill: list[PrefillWork] = dataclasses.field(default_factory=list)  # the call's rows
+    decode: list[Sequence] = dataclasses.field(default_factory=list)  # running, a chunk each
+    # sent back to the waiting queue (pages and slot freed, output kept) to make room for
+    # the decode chunk of the others; they are recomputed when admitted again
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def runs(self) -> bool:
+        """Whether the step runs a device program."""
+        return bool(self.prefill or self.decode)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences the step samples tokens for: each whose prompt the prefill call
+        completes (its first token), or each decoded one."""
+        return [w.seq for w in self.prefill if w.completes] + self.decode
+
+
+@dataclasses.dataclass
+class SequenceResult:
+    """What the device returned for one sequence of a plan: its new tokens, and whether it
+    finished."""
+
+    seq: Sequence
+    tokens: list[int]  # generated since the last result
+    logprobs: list[float]  # theirs, when the request asked (else empty)
+    top_logprobs: list[dict[int, float]]  # the most likely alternatives per token, likewise
+    finish_reason: str | None = None  # "eos", "stop" or "length"; None while running
+    num_tokens: int = 0  # when finished: its output tokens (a token stop sequence cut off)
+
+
 class Scheduler:
-    """Queues, slots and pages. `Engine` calls, each step: `admit`, `prefill_work`,
-    `reserve_decode` (which may preempt), and `free` for finished or aborted sequences."""
+    """Queues, slots and pages, and the step plan. `Engine` calls `add` and `abort` for its
+    requests' sequences and, each step, `schedule()`, then `update(plan, results)` with
+    what the device returned (`finish` for a sample its text stopped); `finished_requests()`
+    hands over the requests that are done.
+
+    Policy: waiting sequences are admitted first come first served while their tokens fit
+    the free pages (`admit`); with prompts to prefill and sequences running, a step
+    prefills (`prefill_work`) and the next decodes, turn about, so prompts arriving or
+    loading never stall the running sequences for more than one prefill call in a row; a
+    decode chunk that the free pages cannot hold preempts the most recently admitted
+    sequence until the rest fit (`reserve_decode`)."""
 
     def __init__(self, *, max_slots: int, num_pages: int, page_size: int, max_seq_len: int,
-                 max_prefill_tokens: int, prefill_chunk_tokens: int, prefix_caching: bool):
+                 max_prefill_tokens: int, prefill_chunk_tokens: int, prefix_caching: bool,
+                 decode_chunk: int):
         self.max_slots, self.page_size, self.max_seq_len = max_slots, page_size, max_seq_len
-        self.max_pages = pages_for(max_seq_len, page_size)
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefix_caching = prefix_caching
+        self.decode_chunk = decode_chunk  # decode steps per decode plan
         self.pool = PagePool(num_pages)
         self.free_slots = list(range(max_slots))  # a heap: the lowest slot first
+        self.requests: dict[str, list[Sequence]] = {}  # unfinished requests' samples
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: list[Sequence] = []  # PREFILLING and RUNNING, in admission order
         self.pending: dict[bytes, Sequence] = {}  # prefix key -> the sequence prefilling it
-        self.page_table = np.full((max_slots, self.max_pages), NO_PAGE, np.int32)
+        self.last_step_prefilled = False  # the last plan was a prefill call
         self.admissions = 0
         self.preemptions = 0
         self.prefix_cache_hits = 0  # pages found in the prefix cache
         self.prefilled_tokens = 0
+
+    # ------------------------------------------------------------------ the contract
+
+    def add(self, seq: Sequence) -> None:
+        """Track a new sequence: queued, or finished at once (reason "length") when it has
+        nothing to generate (max_new_tokens 0)."""
+        self.requests.setdefault(seq.request_id, []).append(seq)
+        if seq.sampling.max_new_tokens == 0:
+            seq.status, seq.finish_reason = Status.FINISHED, "length"
+        else:
+            self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sample of a request now (reason "abort"), its pages and slot freed.
+        Returns them. Raises KeyError for a request not in the scheduler."""
+        seqs = self.requests.pop(request_id)
+        for seq in seqs:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self.finish(seq, "abort")
+        return seqs
+
+    def schedule(self) -> SchedulerPlan:
+        """Admit waiting sequences, then plan the step: a prefill call when prompts wait for
+        one, unless sequences run and the last step prefilled (then they decode: the two
+        take turns); else a decode chunk for every running sequence, preempting as pages
+        require (all of them, in a corner case: then nothing runs)."""
+        self.admit()
+        work = self.prefill_work()
+        if work and not (self.running() and self.last_step_prefilled):
+            self.last_step_prefilled = True
+            return SchedulerPlan(prefill=work)
+        if not self.running():
+            return SchedulerPlan()
+        self.last_step_prefilled = False
+        preempted = self.reserve_decode(self.decode_chunk)
+        return SchedulerPlan(decode=self.running(), preempted=preempted)
+
+    def update(self, plan: SchedulerPlan, results: list[SequenceResult]) -> None:
+        """Advance the sequences by what the device returned for `plan`: the prefilled
+        chunks (`prefilled`), then each result's tokens; a sequence that finished is freed."""
+        self.prefilled(plan.prefill)
+        for result in results:
+            seq = result.seq
+            seq.output += result.tokens
+            seq.logprobs += result.logprobs
+            seq.top_logprobs += result.top_logprobs
+            if result.finish_reason is not None:
+                n = result.num_tokens
+                del seq.output[n:], seq.logprobs[n:], seq.top_logprobs[n:]
+                self.finish(seq, result.finish_reason)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """A sequence is done (for `reason`): its pages and slot are freed."""
+        self.free(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def finished_requests(self) -> list[str]:
+        """Stop tracking the requests whose samples have all finished; returns their ids."""
+        done = [r for r, seqs in self.requests.items()
+                if all(q.status == Status.FINISHED for q in seqs)]
+        for request_id in done:
+            del self.requests[request_id]
+        return done
+
+    def running(self) -> list[Sequence]:
+        """The sequences in the decode batch, in admission order."""
+        return [s for s in self.active if s.status == Status.RUNNING]
+
+    # ------------------------------------------------------------------ the policy
 
     def _shares(self, seq: Sequence) -> bool:
         """Whether `seq` looks up and registers prefix pages: with prefix caching on, or
@@ -187,7 +236,7 @@ class Scheduler:
             hits = self.pool.lookup(keys)
             if len(hits) < len(keys) and keys[len(hits)] in self.pending:
                 return
-            needed = pages_for(len(target), self.page_size) - len(hits)
+            needed = self._pages_for(len(target)) - len(hits)
             # hits that are evictable are no longer free once retained
             if needed + sum(self.pool.refs[p] == 0 for p in hits) > self.pool.num_free():
                 return
@@ -202,7 +251,6 @@ class Scheduler:
             self.admissions += 1
             self.prefix_cache_hits += len(hits)
             self.active.append(seq)
-            self._set_table(seq)
             for key in keys[len(hits):]:  # pages this sequence will write: others wait for them
                 if key not in self.pool.page_of:
                     self.pending.setdefault(key, seq)
@@ -287,13 +335,12 @@ class Scheduler:
         for seq in running:
             for _ in range(wants[id(seq)]):
                 seq.pages.append(self.pool.allocate())
-            self._set_table(seq)
         return preempted
 
     def _pages_wanted(self, seq: Sequence, chunk: int) -> int:
         end = min(seq.length + chunk, len(seq.prompt) + seq.sampling.max_new_tokens,
                   self.max_seq_len)  # a "crop" request's cache stops at max_seq_len
-        return max(0, pages_for(end, self.page_size) - len(seq.pages))
+        return max(0, self._pages_for(end) - len(seq.pages))
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's pages and slot (finished, aborted or preempted)."""
@@ -302,15 +349,13 @@ class Scheduler:
         for key in [k for k, owner in self.pending.items() if owner is seq]:
             del self.pending[key]
         if seq.slot is not None:
-            self.page_table[seq.slot] = NO_PAGE
             heapq.heappush(self.free_slots, seq.slot)
         self.pool.release(seq.pages)
         seq.pages, seq.slot = [], None
 
-    def _set_table(self, seq: Sequence) -> None:
-        row = self.page_table[seq.slot]
-        row[:] = NO_PAGE
-        row[: len(seq.pages)] = seq.pages
+    def _pages_for(self, n_tokens: int) -> int:
+        """Pages that hold `n_tokens` tokens (`gpt_jax.cache.pages_for`, which imports JAX)."""
+        return -(-n_tokens // self.page_size)
 
 
 def bucket(n: int, floor: int = 1) -> int:

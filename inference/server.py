@@ -54,8 +54,10 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt_jax.cache import pages_for
-from inference.engine import CROP_HINT, Engine, RequestOutput, validate
+from inference.detokenize import RequestOutput
+from inference.engine import Engine
 from inference.errors import RequestError
+from inference.generation import CROP_HINT, validate
 from inference.load import add_model_args, load_model
 from inference.sampling import API_MAX_TEMPERATURE, RANGES, SamplingParams
 

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import assert_close, lively_params
 from gpt_jax import GPTConfig, forward, init_cache
-from inference.engine import decode_step, generate, prefill
+from inference.generation import generate
+from inference.steps import decode_step, prefill
 from inference.llm import LLM
 from inference.sampling import SamplingParams
 

@@ -17,7 +17,7 @@ from conftest import assert_close, assert_lively
 from gpt_jax import GPTConfig, cache as kv, forward
 from gpt_jax.model import attend
 from inference import SamplingParams, compile_counts, decode_step, generate, init_cache, prefill
-from inference.engine import validate
+from inference.generation import validate
 
 PAD = 0
 
@@ -73,7 +73,7 @@ def test_g01_positions_follow_each_rows_own_padding(config, params, padding_side
         assert_lively(solo_tokens, 5)
         assert_close(logits[row], solo_logits, 1e-5, f"row {row} prefill logits vs alone")
         assert tokens[row].tolist() == solo_tokens, f"row {row}: batched != alone"
-    # The public decode_step is the decode path generate's loop runs (`engine._decode`):
+    # The public decode_step is the decode path generate's loop runs (`steps.run_decode`):
     # its batched, padded run gives the same tokens.
     looped = generate(params, config, [a, b], SamplingParams(temperature=0.0, max_new_tokens=10))
     assert [o.tokens for o in looped] == tokens.tolist()

@@ -14,6 +14,7 @@ import pytest
 from conftest import assert_lively
 from gpt_jax import forward
 from inference import Engine, SamplingParams, engine as engine_module, generate, naive_generate
+from inference.batching import decode_rows
 from inference.scheduler import Sequence
 
 C = 16  # the module's max_seq_len
@@ -155,7 +156,7 @@ def test_warmup_with_crop_covers_every_window_count(small, monkeypatch):
     crop = SamplingParams(max_new_tokens=50, context_overflow="crop")
     asked = set()
     for n in range(1, 13):  # slots 0..n-1 running, the first k of them crop rows past C
-        n_rows = engine_module.decode_rows(n, 12)
+        n_rows = decode_rows(n, 12)
         for k in range(n + 1):
             running = [Sequence("r", 0, [1] * (C if i < k else 2), crop, 0, 0, 0, slot=i)
                        for i in range(n)]

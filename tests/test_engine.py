@@ -1,116 +1,239 @@
-import dataclasses
+"""The serving engine: continuous batching over one paged KV cache. Requests that join a
+running batch at random steps, get preempted, share prefix pages or are prefilled in chunks
+produce exactly what they produce alone; pages all come back; compiles stay bounded; bad
+requests are refused before they are queued while the engine keeps serving."""
 
+import logging
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_lively
-from gpt_jax import model
-from inference import SamplingParams, compile_counts, generate, naive_generate
+from conftest import assert_close, assert_lively
+from gpt_jax import CharTokenizer, init_cache
+from inference import Engine, SamplingParams, compile_counts, generate, prefill
+from inference.llm import LLM
 
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
+TOKENIZER = CharTokenizer([chr(ord("0") + i) for i in range(64)])  # '0'..'o', one per id
 
 
-def test_greedy_generate_equals_naive(config, params):
+def random_requests(config, rng, count, *, text=True):
+    """`count` requests of random lengths and settings: greedy, seeded sampling with top-k,
+    top-p and penalties, n = 2, EOS ids, token stop sequences and (with `text`) stop
+    strings, some asking for log-probs."""
+    requests = []
+    for i in range(count):
+        prompt = rng.integers(0, config.vocab_size, int(rng.integers(1, 50))).tolist()
+        kind = i % 5
+        sp = dict(max_new_tokens=int(rng.integers(1, 40)), seed=i)
+        if kind == 0:
+            sp |= dict(temperature=0.0, logprobs=3)
+        elif kind == 1:
+            sp |= dict(temperature=0.9, top_k=12, top_p=0.9, repetition_penalty=1.3,
+                       frequency_penalty=0.4, presence_penalty=0.2)
+        elif kind == 2:
+            sp |= dict(temperature=1.0, n=2, min_p=0.05)
+        elif kind == 3:
+            sp |= dict(temperature=0.0, stop_token_ids=[int(rng.integers(0, 64))],
+                       stop_sequences=[[int(t) for t in rng.integers(0, 64, 2)]])
+        elif text:
+            sp |= dict(temperature=0.7, stop=[TOKENIZER.decode(rng.integers(0, 64, 1))])
+        requests.append((f"r{i}", prompt, SamplingParams(**sp)))
+    return requests
+
+
+def run_engine(engine, requests, rng=None):
+    """Add the requests (at random steps when `rng` is given, else all first) and step until
+    all finish. Returns {(request_id, sample_index): final RequestOutput}."""
+    pending, finals = list(requests), {}
+    while pending or engine.has_unfinished_requests():
+        while pending and (rng is None or rng.random() < 0.4):
+            engine.add_request(*pending.pop(0))
+        for out in engine.step():
+            assert (out.request_id, out.sample_index) not in finals, "output after finishing"
+            if out.finished:
+                finals[(out.request_id, out.sample_index)] = out
+    return finals
+
+
+def assert_same_as_alone(config, params, requests, finals, reference="generate"):
+    """Each sample's tokens, finish reason, log-probs and (with a tokenizer) text equal the
+    request run alone: with `generate` (one compiled program per request shape), or with
+    `LLM.generate` (the engine, one request at a time); stop strings always go through
+    `LLM.generate`, which alone handles text."""
+    llm = LLM(params, config, TOKENIZER)
+    for request_id, prompt, sp in requests:
+        if sp.stop or reference == "llm":
+            alone = llm.generate([TOKENIZER.decode(prompt)], sp, progress=False)
+        else:
+            alone = generate(params, config, [prompt], sp)
+        for k, ref in enumerate(alone):
+            out = finals[(request_id, k)]
+            assert out.token_ids == ref.tokens, (request_id, k)
+            assert out.finish_reason == ref.finish_reason, (request_id, k)
+            assert out.seed == ref.seed
+            if out.text is not None:
+                assert out.text == ref.text
+            if sp.logprobs is not None:
+                assert_close(out.logprobs, ref.logprobs, 1e-4, f"{request_id} logprobs")
+                assert [list(d) for d in out.top_logprobs] == [list(d) for d in ref.top_logprobs]
+
+
+def test_requests_joining_at_random_steps_equal_each_request_alone(config, params):
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (1, 2, 7, 20)]
-    cached = generate(params, config, prompts, GREEDY)
-    naive = naive_generate(params, config, prompts, GREEDY)
-    for c, n in zip(cached, naive):
-        assert_lively(n.tokens)
-        assert len(c.tokens) == 48 and c.finish_reason == "length"
-        assert c.tokens == n.tokens
+    requests = random_requests(config, rng, 40)
+    engine = Engine(params, config, TOKENIZER, max_slots=8, page_size=8)
+    finals = run_engine(engine, requests, rng)
+    assert len(finals) == sum(sp.n for *_, sp in requests)
+    assert_lively([t for out in finals.values() for t in out.token_ids], 30)
+    assert {out.finish_reason for out in finals.values()} >= {"length", "eos", "stop"}
+    assert_same_as_alone(config, params, requests, finals, reference="llm")
+    assert engine.stats()["free_pages"] == engine.stats()["total_pages"]
 
 
-def test_paged_decode_loop_equals_naive_across_many_pages(config, params, monkeypatch):
-    """Pages of 4 slots: rows of 1 to 11 prompt tokens decode 14 steps over up to 7 pages
-    each, every row reading the pages below the longest row's length. A config of its own
-    (max_seq_len 96) keeps programs traced with 128-slot pages from being reused here, and
-    these from reaching other tests."""
-    monkeypatch.setattr(model, "ATTENTION_BLOCK", 4)
-    config = dataclasses.replace(config, max_seq_len=96)
-    params = {**params, "wpe": params["wpe"][:96]}
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (1, 5, 11)]
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=14)
-    cached = generate(params, config, prompts, sampling)
-    naive = naive_generate(params, config, prompts, sampling)
-    for c, n in zip(cached, naive):
-        assert_lively(n.tokens)
-        assert c.tokens == n.tokens
-
-
-def test_batch_rows_equal_solo_runs(config, params):
+def test_a_small_page_pool_preempts_and_changes_no_output(config, params):
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (1, 3, 7, 16)]
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=30)
-    batched = generate(params, config, prompts, sampling)
-    for prompt, row in zip(prompts, batched):
-        (solo,) = generate(params, config, [prompt], sampling)
-        assert_lively(solo.tokens)
-        assert row.tokens == solo.tokens
+    requests = random_requests(config, rng, 10, text=False)
+    engine = Engine(params, config, max_slots=8, num_pages=24, page_size=4)
+    finals = run_engine(engine, requests, rng)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0, stats
+    assert_same_as_alone(config, params, requests, finals, reference="llm")
+    assert stats["free_pages"] == stats["total_pages"] == 24
+    assert not engine.has_unfinished_requests()
 
 
-def test_sampled_batch_rows_equal_solo_runs(config, params):
-    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11]]
-    sampling = [SamplingParams(temperature=1.0, top_k=20, max_new_tokens=20, seed=s) for s in (1, 2, 3)]
-    batched = generate(params, config, prompts, sampling)
-    for prompt, sp, row in zip(prompts, sampling, batched):
-        assert row.tokens == generate(params, config, [prompt], sp)[0].tokens
+def test_prefix_caching_shares_pages_and_changes_no_output(config, params):
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(0, 64, 3 * 8).tolist()  # 3 pages of 8
+    requests = [(f"p{i}", prefix + rng.integers(0, 64, int(rng.integers(1, 9))).tolist(),
+                 SamplingParams(temperature=0.0 if i % 2 else 0.8, max_new_tokens=12, seed=i))
+                for i in range(6)]
+    results, stats = {}, {}
+    for caching in (True, False):
+        engine = Engine(params, config, max_slots=4, page_size=8, prefix_caching=caching)
+        # All at once: the later ones wait for the first to write the prefix pages
+        results[caching] = run_engine(engine, requests)
+        stats[caching] = engine.stats()
+    assert stats[True]["prefix_cache_hits"] >= 5 * 3, stats[True]
+    assert stats[False]["prefix_cache_hits"] == 0
+    saved = stats[False]["prefilled_tokens"] - stats[True]["prefilled_tokens"]
+    assert saved >= 5 * 3 * 8, stats
+    assert {k: v.token_ids for k, v in results[True].items()} == \
+        {k: v.token_ids for k, v in results[False].items()}
+    assert_same_as_alone(config, params, requests[1:], results[True])
+
+    # an aborted request frees its pages at once (its full prompt pages stay cached, free)
+    engine = Engine(params, config, max_slots=4, page_size=8)
+    engine.add_request("long", prefix + [1, 2, 3], SamplingParams(max_new_tokens=60))
+    engine.step()
+    assert engine.stats()["free_pages"] < engine.stats()["total_pages"]
+    engine.abort("long")
+    assert engine.stats()["free_pages"] == engine.stats()["total_pages"]
+    assert not engine.has_unfinished_requests()
 
 
-def test_too_long_request_raises_before_compiling(config, params):
+def test_chunked_prefill_equals_one_prefill(config, params):
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, 64, (1, 40)), jnp.int32)
+    one, _ = prefill(params, config, tokens, jnp.array([40]), init_cache(config, 1, 64, page_size=8))
+    cache = init_cache(config, 1, 64, page_size=8)
+    for lo, hi in ((0, 16), (16, 29), (29, 40)):  # chunks that end inside pages
+        chunk = jnp.zeros((1, 16), jnp.int32).at[:, : hi - lo].set(tokens[:, lo:hi])
+        logits, cache = prefill(params, config, chunk, jnp.array([hi - lo]), cache)
+    assert int(cache.lengths[0]) == 40
+    assert_close(logits, one, 1e-5, "chunked prefill logits")
+
+    # the engine with a 16-token budget: a 100-token prompt over 7 steps, same tokens
+    prompt = rng.integers(0, 64, 100).tolist()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20)
+    engine = Engine(params, config, max_slots=4, max_prefill_tokens=16)
+    engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=27))
+    engine.add_request("long", prompt, sp)
+    counts, finals = [], {}
+    while engine.has_unfinished_requests():
+        outs = {o.request_id: o for o in engine.step()}
+        counts.append(len(outs.get("short").new_token_ids) if "short" in outs else 0)
+        finals |= {r: o for r, o in outs.items() if o.finished}
+    # "short" gets its first token with its prefill, then decodes a chunk of 8 between each
+    # 16-token chunk of "long" (prefill and decode take turns)
+    assert counts[:8] == [1, 8, 0, 8, 0, 8, 0, 2]
+    (alone,) = generate(params, config, [prompt], sp)
+    assert_lively(alone.tokens)
+    assert finals["long"].token_ids == alone.tokens
+
+
+def test_a_random_workload_compiles_at_most_12_programs(config, params):
+    rng = np.random.default_rng(4)
+    requests = random_requests(config, rng, 200, text=False)
+    engine = Engine(params, config, max_slots=8, max_prefill_tokens=64)
     before = compile_counts()
-    prompt = [t % 64 for t in range(100)]
-    with pytest.raises(ValueError, match=r"prompt length 100 \+ max_new_tokens 30 .* max_seq_len 128"):
-        generate(params, config, [[1], prompt], SamplingParams(max_new_tokens=30))
-    with pytest.raises(ValueError, match="100"):
-        naive_generate(params, config, [prompt], SamplingParams(max_new_tokens=30))
-    assert compile_counts() == before
+    run_engine(engine, requests, rng)
+    after = compile_counts()
+    compiled = sum(after[k] - before[k] for k in ("engine_prefill", "engine_decode"))
+    assert 2 <= compiled <= 12, (before, after)
 
 
-def test_eos_ends_a_row_and_is_kept(config, params):
-    (reference,) = generate(params, config, [[5, 6]], GREEDY)
-    eos = reference.tokens[4]
-    first = reference.tokens.index(eos)
-    (out,) = generate(params, config, [[5, 6]], SamplingParams(temperature=0.0, max_new_tokens=48, stop_token_ids=[eos]))
-    assert out.tokens == reference.tokens[: first + 1]
-    assert out.finish_reason == "eos"
-
-
-def test_out_of_vocabulary_prompt_token_raises(config, params):
-    with pytest.raises(ValueError, match=r"token id 64 is outside \[0, 64\)"):
-        generate(params, config, [[1, 64]], GREEDY)
-    with pytest.raises(ValueError, match=r"prompt 0: stop_token_ids id 99 is outside \[0, 64\)"):
-        generate(params, config, [[1]], SamplingParams(stop_token_ids=[99]))
-    with pytest.raises(ValueError, match=r"prompt 0: stop_sequences id 70 is outside \[0, 64\)"):
-        generate(params, config, [[1]], SamplingParams(stop_sequences=[[1, 70]]))
-
-
-def test_non_integer_prompt_token_raises(config, params):
-    with pytest.raises(ValueError, match=r"prompt 1: token id 1.7 is not an integer"):
-        generate(params, config, [[1], [1.7]], GREEDY)
-
-
-def test_params_that_do_not_match_the_config_are_refused_before_compiling(config, params):
-    from gpt_jax.model import decode_layout
-    from gpt_jax.params import check_params
-    from inference.llm import LLM
-
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
+def test_after_warmup_serving_compiles_nothing(config, params, caplog):
+    """Neither a new trace (compile_counts) nor a new XLA compile of a traced program (an
+    argument committed to a device where warmup's was not once compiled the first prefill
+    again, seconds into the first request)."""
+    rng = np.random.default_rng(5)
+    engine = Engine(params, config, max_slots=4, max_prefill_tokens=32, prefill_chunk_tokens=16)
+    engine.warmup()  # prefill shapes up to the 16-token chunk, not the 32-token budget
     before = compile_counts()
-    with pytest.raises(ValueError, match=r"params\['wte'\] has shape \(64, 32\), but the config "
-                                         r"expects \(65, 32\) \(d_model=32, .*vocab_size=65"):
-        generate(params, config.replace(vocab_size=65), [[1, 2]], greedy)
-    with pytest.raises(ValueError, match=r"params\['blocks'\]\['attn'\]\['b_k'\] has shape "
-                                         r"\(2, 2, 16\), but the config expects \(2, 4, 8\)"):
-        naive_generate(params, config.replace(n_heads=4), [[1, 2]], greedy)
-    laid_out = decode_layout(params)  # the decode layout is checked in its own shapes
-    with pytest.raises(ValueError, match=r"params\['blocks'\]\[0\]\['attn'\]\['b_k'\] has "
-                                         r"shape \(2, 16\), but the config expects \(1, 16\)"):
-        generate(laid_out, config.replace(n_kv_heads=1), [[1, 2]], greedy)
-    with pytest.raises(ValueError, match=r"params\['wpe'\] has shape \(128, 32\), but the "
-                                         r"config expects \(64, 32\)"):
-        LLM(params, config.replace(max_seq_len=64), tokenizer=None)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        engine.add_request("first", [1, 2, 3], SamplingParams(max_new_tokens=3))
+        while engine.has_unfinished_requests():  # warmup's first program: one short prompt
+            engine.step()
+        run_engine(engine, random_requests(config, rng, 24, text=False), rng)
     assert compile_counts() == before
-    check_params(params, config)  # matching params, in either layout, pass
-    check_params(laid_out, config)
+    compiled = [r.getMessage()[:40] for r in caplog.records
+                if r.getMessage().startswith("Compiling jit(engine_")]
+    assert compiled == []
+    with pytest.raises(RuntimeError, match="before adding requests"):
+        engine.add_request("x", [1], SamplingParams(max_new_tokens=30))
+        engine.warmup()
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(config, params):
+    engine = Engine(params, config, max_slots=2, num_pages=6, page_size=8)
+    engine.add_request("ok", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=10))
+    with pytest.raises(ValueError, match=r"request_id 'ok' is already in the engine"):
+        engine.add_request("ok", [4], SamplingParams())
+    with pytest.raises(ValueError, match=r"request 'empty': the prompt is \[\]; a prompt is a "
+                                         r"non-empty list of token ids"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(ValueError, match=r"request 'oov': token id 64 is outside \[0, 64\)"):
+        engine.add_request("oov", [1, 64], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompt length 40 \+ max_new_tokens 20 needs 8 pages "
+                                         r"of 8 tokens, but the page pool has 6"):
+        engine.add_request("big", [1] * 40, SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match=r"stop strings need a tokenizer"):
+        engine.add_request("stop", [1], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match=r"SamplingParams.top_p=1.5 is out of range"):
+        engine.add_request("bad", [1], SamplingParams(top_p=1.5))
+    with pytest.raises(KeyError, match="nope"):
+        engine.abort("nope")
+    assert engine.stats()["waiting"] == 1
+    finals = run_engine(engine, [])
+    (ref,) = generate(params, config, [[1, 2, 3]], SamplingParams(temperature=0.0,
+                                                                   max_new_tokens=10))
+    assert finals[("ok", 0)].token_ids == ref.tokens
+    engine.abort("ok")  # finished: nothing happens
+    for bad in ({"max_slots": 0}, {"max_slots": True}, {"num_pages": 2.5},
+                {"kv_cache_bytes": 0}, {"page_size": -1}):
+        (name, value), = bad.items()
+        with pytest.raises(ValueError, match=rf"Engine {name} must be an int >= 1, got {value}"):
+            Engine(params, config, **bad)
+    with pytest.raises(ValueError, match=r"kv_cache_bytes=100 holds no page; one page of 16 "
+                                         r"tokens takes 8192 bytes"):
+        Engine(params, config, kv_cache_bytes=100)
+    with pytest.raises(ValueError, match=r"Engine page_size must be at most the model's "
+                                         rf"max_seq_len {config.max_seq_len} \(or 16\), got 1000000"):
+        Engine(params, config, page_size=10**6)  # would allocate 16 x 10**6 slots
+    for dtype in ("float16", "nonsense"):
+        with pytest.raises(ValueError, match=rf"cache_dtype must be float32 or bfloat16, got "
+                                             rf"'{dtype}'"):
+            Engine(params, config, cache_dtype=dtype)

@@ -12,6 +12,7 @@ from conftest import lively_params
 from inference import cli, engine
 from gpt_jax.tokenizer import CharTokenizer
 from inference import llm as llm_module
+from inference.decode import CHUNK
 from inference.llm import LLM
 from inference.sampling import SamplingParams
 
@@ -66,7 +67,7 @@ def first_at(text, width, offset, across_chunks):
     of a compiled chunk, so that streaming sees only its beginning first (the first token
     comes with the prefill, then chunks of CHUNK tokens: text arrives in pieces that end at
     token 1, 1 + CHUNK, ...)."""
-    chunk_chars = engine.CHUNK * WIDTH
+    chunk_chars = CHUNK * WIDTH
     for t in range(3, len(text) // WIDTH - 2):
         s = t * WIDTH + offset
         straddles = (s - WIDTH) // chunk_chars != (s + width - 1 - WIDTH) // chunk_chars
@@ -122,7 +123,7 @@ def test_stop_string_cuts_text_stops_the_row_and_never_streams(llm, width, offse
     assert texts == [out.text, other_out.text]
     assert completions[0].tokens == out.tokens
     # the first token comes with the prefill; then row 0 generates no more
-    running_chunks = -(-(len(out.tokens) - 1) // engine.CHUNK)
+    running_chunks = -(-(len(out.tokens) - 1) // CHUNK)
     assert done == [False] * running_chunks + [True] * (len(done) - running_chunks)
 
     done.clear()  # alone, the stopped row ends the run at the next chunk boundary
@@ -132,7 +133,7 @@ def test_stop_string_cuts_text_stops_the_row_and_never_streams(llm, width, offse
 
 def test_a_stop_prefix_that_never_completes_is_released(llm):
     (full,) = llm.generate([PROMPT], GREEDY)
-    chunk_end = (1 + engine.CHUNK) * WIDTH  # the prefill's first token, then a chunk
+    chunk_end = (1 + CHUNK) * WIDTH  # the prefill's first token, then a chunk
     tail = full.text[chunk_end - 3:chunk_end]  # streaming must hold it back for a chunk
     sampling = SamplingParams(temperature=0.0, max_new_tokens=48, stop=[tail + "z"])
     texts, (c,) = joined_and_checked(llm.stream([PROMPT], sampling), 1)
@@ -169,7 +170,7 @@ def test_streamed_bytes_never_break_a_character(config):
     texts, completions = joined_and_checked(llm.stream(["abc"], sampling), 8)
     assert texts == [c.text for c in llm.generate(["abc"], sampling)]
     # the test can fail only if some chunk ended inside a character that a later token completed
-    split = [k for c in completions for k in range(1, len(c.tokens), engine.CHUNK)
+    split = [k for c in completions for k in range(1, len(c.tokens), CHUNK)
              if not c.text.startswith(llm.tokenizer.decode(c.tokens[:k]))]
     assert split, "no character was split across a chunk boundary"
     assert any(ord(ch) > 127 and ch != "\ufffd" for t in texts for ch in t)

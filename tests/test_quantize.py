@@ -20,8 +20,9 @@ from gpt_jax import GPTConfig, cpu_int8, cpu_kernels, forward, init_cache, init_
 from gpt_jax.model import Int8Weight, int8_matmul
 from gpt_jax.params import QUANTIZE, check_params, quantization_error, quantize
 from gpt_jax.tokenizer import CharTokenizer
-from inference import cli, engine
-from inference.engine import Engine, generate
+from inference import cli, steps
+from inference.engine import Engine
+from inference.generation import generate
 from inference.llm import LLM
 from inference.sampling import SamplingParams
 
@@ -119,7 +120,7 @@ def _decode_logits(params, config, tokens, hlo=None):
     cache, through one program compiled here (the kernel choice is made at tracing); with a
     list `hlo`, its HLO text is appended."""
     cache = init_cache(config, 1, len(tokens))
-    run_step = jax.jit(lambda p, t, c: engine._decode(p, config, t, c, jnp.ones(t.shape, bool)))
+    run_step = jax.jit(lambda p, t, c: steps.run_decode(p, config, t, c, jnp.ones(t.shape, bool)))
     step = run_step.lower(params, jnp.asarray(tokens[:1], jnp.int32), cache).compile()
     if hlo is not None:
         hlo.append(step.as_text())

@@ -12,7 +12,7 @@ from scipy import stats
 
 from conftest import assert_close, assert_lively, lively_params
 from gpt_jax import forward
-from inference import engine, generate
+from inference import decode, engine, generate, generation, steps
 from inference.sampling import (
     SamplingArrays, SamplingParams, apply_penalties, apply_temperature, filter_logits,
     greedy_tokens, min_p_keep, prompt_hash, prompt_hashes, sample, top_p_keep,
@@ -404,7 +404,7 @@ PREFILL_ROWS = []  # prefill batch sizes traced by counting_model
 
 def counting_model(params, config, capacity, cache_dtype):
     """The cached model, recording how many rows each compiled prefill runs."""
-    prefill_fn, step_fn = engine.cached_model(params, config, capacity, cache_dtype)
+    prefill_fn, step_fn = steps.cached_model(params, config, capacity, cache_dtype)
 
     def counted(tokens_PT, lengths_P, source_B, forked):
         PREFILL_ROWS.append(tokens_PT.shape[0])
@@ -416,12 +416,12 @@ def counting_model(params, config, capacity, cache_dtype):
 def test_n_samples_share_one_prefill_and_differ(config, params):
     PREFILL_ROWS.clear()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=9)
-    outs = engine.run(params, config, [[4, 5, 6, 7]], sampling, model_fns=counting_model)
+    outs = generation.run(params, config, [[4, 5, 6, 7]], sampling, model_fns=counting_model)
     assert PREFILL_ROWS == [1]  # one compiled prefill, of one row, for four decode rows
     assert len(outs) == 4 and len({tuple(o.tokens) for o in outs}) == 4
     assert all(o.seed == 9 and len(o.tokens) == 12 for o in outs)
     # sample k of n is the same whatever else runs beside it
-    again = engine.generate(params, config, [[1, 2], [4, 5, 6, 7]],
+    again = generation.generate(params, config, [[1, 2], [4, 5, 6, 7]],
                             [SamplingParams(temperature=0.5, max_new_tokens=12), sampling])
     assert [o.tokens for o in again[1:]] == [o.tokens for o in outs]
 
@@ -481,7 +481,7 @@ def test_seeded_request_is_the_same_alone_first_last_and_beside_unseeded(config,
 
 
 def test_penalties_ignore_padding_and_match_solo_runs(config, params):
-    seen = engine.prompt_seen(jnp.array([[0, 1, 3, 3]]), jnp.array([2]), 4)  # 3 is padding
+    seen = decode.prompt_seen(jnp.array([[0, 1, 3, 3]]), jnp.array([2]), 4)  # 3 is padding
     out = apply_penalties(G13_LOGITS, seen, jnp.zeros((1, 4), jnp.int32), jnp.array([2.0]),
                           jnp.zeros(1), jnp.zeros(1))
     assert_close(out, [[1.0, -4.0, 0.5, -1.0]], 0.0, "penalized logits")

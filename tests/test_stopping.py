@@ -11,7 +11,7 @@ import pytest
 
 from conftest import assert_lively
 from gpt_jax import forward
-from inference import engine, stopping
+from inference import engine, generation, steps, stopping
 from inference.sampling import SamplingParams
 
 EOS, PAD = 2, 1
@@ -21,7 +21,7 @@ FORCED_AT = 5  # cache length at which row 0 (prompt of 3) produces its third to
 def forced_eos_model(params, config, capacity, cache_dtype):
     """The cached model with a logit bias: EOS (id 2) is certain for the token produced at
     cache length 5 (the third token of a 3-token prompt) and impossible everywhere else."""
-    prefill_fn, step_fn = engine.cached_model(params, config, capacity, cache_dtype)
+    prefill_fn, step_fn = steps.cached_model(params, config, capacity, cache_dtype)
 
     def bias(logits_BV, cache):
         forced_B = cache.lengths == FORCED_AT
@@ -34,9 +34,9 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15]]  # row 1's lengths never equa
 
 
 def run_state(params, config, sampling):
-    prompts, sampling = engine.validate(config, PROMPTS, sampling)
-    batch = engine.pack(config, prompts, sampling, pad_id=PAD)
-    state = engine.generate_program(
+    prompts, sampling = generation.validate(config, PROMPTS, sampling)
+    batch = generation.pack(config, prompts, sampling, pad_id=PAD)
+    state = generation.generate_program(
         params, config, jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P),
         jnp.asarray(batch.source_B), batch.rows, batch.stops, capacity=batch.capacity,
         n_steps=batch.n_steps, n_top=batch.n_top, model_fns=forced_eos_model,
@@ -51,7 +51,7 @@ def run_state(params, config, sampling):
 ], ids=["greedy", "sampled-several-eos-ids"])
 def test_g15_eos_is_written_counted_and_ends_only_its_row(config, params, sampling):
     batch, state = run_state(params, config, sampling)
-    out = engine.unpack(batch, state)
+    out = generation.unpack(batch, state)
     tokens = np.asarray(state.tokens)
     assert tokens[0, 2] == EOS and (tokens[0, 3:6] == PAD).all()
     assert out[0].tokens == tokens[0, :3].tolist() and out[0].finish_reason == "eos"
@@ -61,21 +61,21 @@ def test_g15_eos_is_written_counted_and_ends_only_its_row(config, params, sampli
     assert (np.asarray(state.logprobs)[0, 3:] == 0).all()
     assert len(out[0].logprobs) == 3 and out[0].logprobs[2] > -1e-3  # EOS was certain
     assert len(out[1].tokens) == 6 and out[1].finish_reason == "length"
-    solo = engine.run(params, config, PROMPTS[1:], sampling, model_fns=forced_eos_model)[0]
+    solo = generation.run(params, config, PROMPTS[1:], sampling, model_fns=forced_eos_model)[0]
     assert solo.tokens == out[1].tokens
 
 
 def test_token_stop_sequence_ends_the_row_and_is_cut(config, params):
     prompt = [3, 4, 5]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=32)
-    (ref,) = engine.generate(params, config, [prompt], greedy)
+    (ref,) = generation.generate(params, config, [prompt], greedy)
     g = ref.tokens
     assert_lively(g)
     j = next(j for j in range(3, 28) if all(g[i:i + 2] != g[j:j + 2] for i in range(j)))
     across = prompt[-2:] + g[:1]  # matches only across the prompt boundary
     assert all(g[i:i + 3] != across for i in range(j + 1))
     sequences = [g[j:j + 2], g[j - 1:j + 2], across]
-    (out,) = engine.generate(params, config, [prompt], SamplingParams(
+    (out,) = generation.generate(params, config, [prompt], SamplingParams(
         temperature=0.0, max_new_tokens=32, stop_sequences=sequences))
     assert out.tokens == g[:j - 1]  # the longer of the two matching sequences is cut
     assert out.finish_reason == "stop"
@@ -133,7 +133,7 @@ CANDIDATES = [[3, 4, 5], [8, 1, 9], [20, 21, 22], [40, 2, 7], [11, 50, 33]]  # t
 def test_eos_on_the_last_allowed_step_reports_eos_not_length(config, params, run):
     """Fault: checking the length limit before EOS. With max_new_tokens=3 and the third
     greedy token as the EOS id, the row ends on its last allowed step *because* of the EOS."""
-    outputs = engine.generate(params, config, CANDIDATES,
+    outputs = generation.generate(params, config, CANDIDATES,
                               SamplingParams(temperature=0.0, max_new_tokens=3))
     prompt, ref = next((p, o) for p, o in zip(CANDIDATES, outputs)
                        if o.tokens[2] not in o.tokens[:2])
@@ -145,7 +145,7 @@ def test_eos_on_the_last_allowed_step_reports_eos_not_length(config, params, run
 @pytest.mark.parametrize("run", ["generate", "engine"])
 def test_stop_sequence_completed_on_the_last_allowed_step_reports_stop_and_cuts(
         config, params, run):
-    outputs = engine.generate(params, config, CANDIDATES,
+    outputs = generation.generate(params, config, CANDIDATES,
                               SamplingParams(temperature=0.0, max_new_tokens=4))
     prompt, g = next((p, o.tokens) for p, o in zip(CANDIDATES, outputs)
                      if o.tokens[2:4] not in (o.tokens[0:2], o.tokens[1:3]))
@@ -156,7 +156,7 @@ def test_stop_sequence_completed_on_the_last_allowed_step_reports_stop_and_cuts(
 def _run_one(params, config, prompt, sampling, run):
     """`(tokens, finish_reason)` of one request through `generate` or the serving Engine."""
     if run == "generate":
-        (out,) = engine.generate(params, config, [prompt], sampling)
+        (out,) = generation.generate(params, config, [prompt], sampling)
         return out.tokens, out.finish_reason
     eng = engine.Engine(params, config, max_slots=2)
     eng.add_request("r", prompt, sampling)
@@ -187,7 +187,7 @@ def test_min_tokens_bans_an_eos_up_to_its_boundary(config, params, temperature, 
     sampling = SamplingParams(temperature=temperature, seed=1, max_new_tokens=6,
                               stop_token_ids=[EOS], min_tokens=min_tokens, logprobs=1)
     batch, state = run_state(params, config, sampling)
-    out = engine.unpack(batch, state)
+    out = generation.unpack(batch, state)
     assert out[0].finish_reason == reason
     if reason == "eos":
         assert len(out[0].tokens) == 3 and out[0].tokens[2] == EOS
@@ -223,7 +223,7 @@ def test_an_eos_inside_min_tokens_does_not_stop_the_row(config, params, run):
     """Greedy, the EOS id is the row's second token: without min_tokens the row ends there;
     with min_tokens 8 it runs on (the EOS never appears among its first 8 tokens), exactly as
     greedy decoding that skips the EOS while fewer than 8 tokens exist."""
-    outputs = engine.generate(params, config, CANDIDATES,
+    outputs = generation.generate(params, config, CANDIDATES,
                               SamplingParams(temperature=0.0, max_new_tokens=24))
     prompt, ref = next((p, o.tokens) for p, o in zip(CANDIDATES, outputs)
                        if o.tokens[1] != o.tokens[0])
@@ -242,7 +242,7 @@ def test_a_stop_sequence_completed_inside_min_tokens_does_not_count(config, para
     """A token stop sequence seen once in the greedy output, completed by the token at index
     j + 1: min_tokens j + 1 lets it stop the row (cut), j + 2 does not (the row runs to its
     length; greedy tokens do not depend on stop sequences)."""
-    outputs = engine.generate(params, config, CANDIDATES,
+    outputs = generation.generate(params, config, CANDIDATES,
                               SamplingParams(temperature=0.0, max_new_tokens=24))
     for prompt, out in zip(CANDIDATES, outputs):
         g = out.tokens

@@ -1,0 +1,160 @@
+"""The continuous-batching programs `Engine` runs on its one long-lived decode state, and the
+host packing of their inputs: `engine_prefill` prefills chunks of prompts into their slots
+and inserts each completed prompt into the decode state with its first token;
+`engine_decode` runs one chunk of decode steps (`inference.decode`) for the first
+`decode_rows` slots, every running one among them. The scheduler (`inference.scheduler`)
+decides which sequences, slots and pages; these only run what it planned.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from inference import stopping
+from inference.decode import DecodeState, decode_chunk, sample_and_record
+from inference.sampling import SamplingArrays, SamplingParams
+from inference.scheduler import MIN_PROMPT_BUCKET, PrefillWork, Sequence, bucket
+from inference.steps import run_prefill, run_step
+
+
+@struct.dataclass
+class PrefillBatch:
+    """One call's prompt chunks, a row each (rows past the real ones have slot = max_slots)."""
+
+    tokens: jax.Array  # [R, T] int32, the chunk's tokens, right-padded
+    n_valid: jax.Array  # [R] int32, real tokens in the chunk
+    start: jax.Array  # [R] int32, position of the chunk's first token
+    slot: jax.Array  # [R] int32, the cache slot and decode row
+    insert: jax.Array  # [R] bool, the chunk completes the prompt: the row joins the decode batch
+    step: jax.Array  # [R] int32, tokens the request had generated (a preempted one resumes)
+    recent: jax.Array  # [R, M] int32, its last M generated tokens (BEFORE_START before)
+    window: jax.Array  # [R, W] int32, its last W tokens of prompt and output (0 before)
+    prompt_seen: jax.Array  # [R, V] bool, tokens of its prompt
+    output_counts: jax.Array  # [R, V] int32, occurrences among its generated tokens
+
+
+@functools.partial(jax.jit, static_argnames=("config", "pad_id"), donate_argnames="state")
+def engine_prefill(params, config, state: DecodeState, page_table, batch: PrefillBatch, rows,
+                   stops, *, pad_id: int):
+    """Prefill one chunk per row into its slot (at `batch.start`, attending to what the slot
+    already holds); every row whose prompt is now complete joins the decode state (its
+    history and step) with its first token sampled from the prefill's logits. `state` is
+    donated: the cache is written in place."""
+    cache = state.model.replace(page_table=page_table)
+    cache = cache.replace(lengths=cache.lengths.at[batch.slot].set(batch.start, mode="drop"))
+    logits_RV, cache = run_prefill(params, config, batch.tokens, batch.n_valid, cache,
+                                   batch.slot)
+    B = state.done.shape[0]
+    at_R = jnp.where(batch.insert, batch.slot, B)
+    put = lambda x, y: x.at[at_R].set(y, mode="drop")  # noqa: E731
+    state = state.replace(
+        model=cache, step=put(state.step, batch.step), num_tokens=put(state.num_tokens, batch.step),
+        done=put(state.done, False), finish=put(state.finish, stopping.RUNNING),
+        recent=put(state.recent, batch.recent), window=put(state.window, batch.window),
+        prompt_seen=put(state.prompt_seen, batch.prompt_seen),
+        output_counts=put(state.output_counts, batch.output_counts))
+    inserted_B = jnp.zeros((B,), bool).at[at_R].set(True, mode="drop")
+    logits_BV = jnp.zeros((B, logits_RV.shape[-1]), jnp.float32).at[at_R].set(logits_RV,
+                                                                              mode="drop")
+    return sample_and_record(state, logits_BV, inserted_B, rows, stops, pad_id)
+
+
+def decode_rows(n: int, max_slots: int) -> int:
+    """Rows a decode chunk runs to cover slots 0..n-1: powers of two up to 8, then halfway
+    steps (12, 16, 24, 32, 48, ...), at most `max_slots`. Halfway steps keep a 17th request
+    from doubling the step of 16 (a gpt2 step at 32 rows took 1.5x one at 16, at 24 1.3x)
+    for two programs per doubling."""
+    if n <= 8:
+        return min(max_slots, bucket(n))
+    step = bucket(n) // 4  # two steps from the power of two below n to the one above
+    return min(max_slots, -(-n // step) * step)
+
+
+def _first_rows(state: DecodeState, n: int) -> DecodeState:
+    """Decode rows 0..n-1 of `state` (the cache pools stay whole: they are shared)."""
+    first = lambda x: x[:n]  # noqa: E731
+    model = state.model.replace(page_table=first(state.model.page_table),
+                                lengths=first(state.model.lengths),
+                                overflow=first(state.model.overflow))
+    return jax.tree.map(first, state.replace(model=None)).replace(model=model)
+
+
+def _put_first_rows(state: DecodeState, rows: DecodeState) -> DecodeState:
+    """`state` with rows 0..n-1 replaced by `rows` (and its pools by theirs)."""
+    put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis=0)  # noqa: E731
+    model = state.model.replace(
+        k=rows.model.k, v=rows.model.v,
+        lengths=put(state.model.lengths, rows.model.lengths),
+        overflow=put(state.model.overflow, rows.model.overflow))
+    merged = jax.tree.map(put, state.replace(model=None), rows.replace(model=None))
+    return merged.replace(model=model)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "n_rows", "pad_id"),
+                   donate_argnames="state")
+def engine_decode(params, config, state: DecodeState, page_table, live_B, rows, stops,
+                  window_slots, *, n_rows: int, pad_id: int):
+    """One chunk of decode steps for the first `n_rows` slots (every live slot among them):
+    rows not `live_B` are finished first (freed, aborted or stopped on the host). The slots
+    `window_slots` (int32 `[R]`, R = 0 when no row can outgrow the context in this chunk;
+    entries >= n_rows are padding) are the rows that may: each step, those whose context is
+    full are predicted from their window (`inference.steps.window_logits`). `state` is
+    donated: the cache is written in place."""
+    state = state.replace(model=state.model.replace(page_table=page_table),
+                          done=state.done | ~live_B)
+    first = lambda x: x[:n_rows]  # noqa: E731
+    step_fn = lambda tokens_B, cache, advance_B, window_BW: run_step(  # noqa: E731
+        params, config, tokens_B, cache, advance_B, window_BW, window_slots)
+    chunk = decode_chunk(_first_rows(state, n_rows), step_fn, jax.tree.map(first, rows),
+                         jax.tree.map(first, stops), pad_id)
+    return _put_first_rows(state, chunk)
+
+def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, recent_width: int,
+                  window_width: int) -> PrefillBatch:
+    """The rows of a prefill call, padded to buckets (rows and T); a row that completes its
+    prompt carries the sequence's history (a preempted one resumes where it was):
+    `recent_width` (M) last generated tokens, `window_width` (W) last tokens."""
+    R = bucket(len(work))
+    T = bucket(max(w.n for w in work), MIN_PROMPT_BUCKET)
+    V, M = vocab_size, recent_width
+    tokens = np.zeros((R, T), np.int32)
+    n_valid, start, step = (np.zeros(R, np.int32) for _ in range(3))
+    slot = np.full(R, max_slots, np.int32)
+    insert = np.zeros(R, bool)
+    recent = np.full((R, M), stopping.BEFORE_START, np.int32)
+    window = np.zeros((R, window_width), np.int32)
+    seen, counts = np.zeros((R, V), bool), np.zeros((R, V), np.int32)
+    for r, w in enumerate(work):
+        seq = w.seq
+        tokens[r, : w.n] = seq.target[w.start: w.start + w.n]
+        n_valid[r], start[r], slot[r] = w.n, w.start, seq.slot
+        if w.completes:
+            insert[r], step[r] = True, len(seq.output)
+            seen[r, seq.prompt] = True
+            np.add.at(counts[r], seq.output, 1)
+            tail = seq.output[-M:]
+            recent[r, M - len(tail):] = tail
+            tail = seq.target[-window.shape[1]:]  # the target is at most max_seq_len
+            window[r, window.shape[1] - len(tail):] = tail
+    return PrefillBatch(*map(jnp.asarray, (tokens, n_valid, start, slot, insert, step,
+                                           recent, window, seen, counts)))
+
+
+def row_arrays(active: list[Sequence], max_slots: int, vocab_size: int, widths):
+    """Per-slot sampling and stop arrays of the `active` sequences (a free slot gets inert
+    defaults); `widths`: the stop arrays' (E, Q, M)."""
+    by_slot: list[Sequence | None] = [None] * max_slots
+    for seq in active:
+        by_slot[seq.slot] = seq
+    idle = SamplingParams(max_new_tokens=0)
+    params = [q.sampling if q else idle for q in by_slot]
+    rows = SamplingArrays.from_params(params, [q.seed if q else 0 for q in by_slot],
+                                      [q.sample_index if q else 0 for q in by_slot],
+                                      [q.prompt_hash if q else 0 for q in by_slot],
+                                      vocab_size)
+    return rows, stopping.StopArrays.from_params(params, widths)

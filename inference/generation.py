@@ -1,0 +1,299 @@
+"""The static generation driver: `generate` checks every request (`validate`), packs the
+batch into bucketed arrays (`pack`), runs prefill and the whole token loop as one compiled
+program (`generation`) and unpacks one `Completion` per sample.
+
+The program: prefill with the first token, then a `lax.scan` over a chunk of steps inside a
+`lax.while_loop` that exits once every row has finished (`inference.decode`). A request with
+`n > 1` is prefilled once, into the pages of its first sample's row; the other samples' rows
+get a copy of those pages. The program takes the model as two functions (`model_fns`:
+`prefill_fn`, `step_fn`), so `naive_generate` (inference.naive) runs the same loop, sampler
+and stop logic with full recomputation instead of a cache.
+
+Bounded compilation: prompt length, batch size and max_new_tokens are padded to power-of-two
+buckets, and sampling parameters are traced arrays, so a new program is compiled only for a
+new bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpt_jax.config import GPTConfig
+from gpt_jax.model import Params
+from gpt_jax.params import check_params
+from inference import stopping
+from inference.decode import (CHUNK, DecodeState, decode_loop, init_state, prompt_seen,
+                              prompt_window, sample_and_record)
+from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, prompt_hash
+from inference.scheduler import MIN_PROMPT_BUCKET, bucket
+from inference.steps import cached_model
+
+# Ends the message for a request that does not fit the context under "error" (the server,
+# whose requests cannot crop, and the CLI, whose flag is spelled otherwise, replace it).
+CROP_HINT = ' (or context_overflow="crop" to predict each token from the last max_seq_len)'
+
+
+def _start(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity, n_steps,
+           n_top, model_fns, cache_dtype, forked, pad_id):
+    """Prefill, and the first token of every row sampled from the prefill's logits."""
+    prefill_fn, _ = model_fns(params, config, capacity, cache_dtype)
+    logits_BV, model = prefill_fn(tokens_PT, lengths_P, source_B, forked)
+    seen_PV = prompt_seen(tokens_PT, lengths_P, logits_BV.shape[-1])
+    width = config.max_seq_len if capacity > config.max_seq_len else 0  # a row may outgrow it
+    window_PW = prompt_window(tokens_PT, lengths_P, width, pad_id)
+    state = init_state(model, jnp.take(seen_PV, source_B, axis=0), stops,
+                       jnp.take(window_PW, source_B, axis=0), n_steps=n_steps, n_top=n_top,
+                       pad_id=pad_id)
+    return sample_and_record(state, logits_BV, ~state.done, rows, stops, pad_id)
+
+
+_STATIC = ("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype", "pad_id",
+           "forked")
+
+
+def generation(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity,
+               n_steps, n_top, model_fns, cache_dtype, pad_id, forked) -> DecodeState:
+    """Prefill and the whole decode loop, traceable: `generate_program` jits it and
+    `inference.export` exports it. Returns the final DecodeState."""
+    state = _start(params, config, tokens_PT, lengths_P, source_B, rows, stops, capacity=capacity,
+                   n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype,
+                   forked=forked, pad_id=pad_id)
+    _, step_fn = model_fns(params, config, capacity, cache_dtype)
+    return decode_loop(state, step_fn, rows, stops, pad_id)
+
+
+# Prefill and the whole decode loop, as one compiled program.
+generate_program = jax.jit(generation, static_argnames=_STATIC)
+
+
+@dataclasses.dataclass
+class Completion:
+    """One generated sequence."""
+
+    tokens: list[int]  # generated token ids (an EOS that ended the row included)
+    finish_reason: str  # "eos", "stop" or "length"
+    # The request's seed: passed back in SamplingParams (same n) it repeats the sample. With
+    # n > 1 the request's completions are its samples 0..n-1 in order, and sample k draws from
+    # that seed folded with k (`sampling.row_keys`): all n share the seed, not the draws.
+    seed: int
+    logprobs: list[float] | None = None  # model log-prob of each token (raw logits)
+    top_logprobs: list[dict[int, float]] | None = None  # the `logprobs` most likely per step
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Validated requests packed into bucketed arrays: one prefill row per request, one
+    decode row per sample."""
+
+    tokens_PT: np.ndarray  # [P, T] int32, right-padded prompts, one row per request
+    lengths_P: np.ndarray  # [P] int32
+    source_B: np.ndarray  # [B] int32, the prefill row each decode row starts from
+    rows: SamplingArrays
+    stops: stopping.StopArrays
+    requests: tuple[SamplingParams, ...]  # per real row
+    seeds: tuple[int, ...]  # per real row
+    n_real: int  # rows before batch padding
+    capacity: int  # tokens a row can reach; past max_seq_len only when a row may "crop"
+    n_steps: int  # token buffer length (bucketed max_new_tokens)
+    n_top: int  # alternatives recorded per step
+    forked: bool  # some prompt has n > 1 rows (they copy its prefilled pages)
+
+
+def _expand_sampling(prompts, sampling) -> list[SamplingParams]:
+    if sampling is None:
+        sampling = SamplingParams()
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * len(prompts)
+    sampling = list(sampling)
+    if len(sampling) != len(prompts):
+        raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+    for s in sampling:
+        if not isinstance(s, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(s).__name__}")
+    return sampling
+
+
+def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
+    """Check every request before any work starts. Returns `(prompts, sampling)` lists.
+
+    A request's `context_overflow` (None: "error") says what a request longer than the
+    model's context does: under "crop" a prompt longer than config.max_seq_len is cropped to
+    its last max_seq_len tokens (nanoGPT's `idx[:, -block_size:]`) and max_new_tokens may
+    take it past the context; under "error" neither is allowed.
+
+    Raises:
+      ValueError: a token id that is not an integer or is outside [0, vocab_size); an empty
+        prompt without a BOS id;
+        under "error", a prompt length + max_new_tokens above config.max_seq_len (both
+        numbers named, and "crop" suggested);
+        a stop_token_id, stop_sequences id or logit_bias id outside the vocabulary (the id
+        and vocab_size named).
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise TypeError("prompts must be a list of token-id lists")
+    sampling = _expand_sampling(prompts, sampling)
+    V = config.vocab_size
+    out = []
+    for index, (prompt, sp) in enumerate(zip(prompts, sampling)):
+        not_ints = [t for t in prompt
+                    if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if not_ints:
+            raise ValueError(f"prompt {index}: token id {not_ints[0]!r} is not an integer")
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            if bos_token_id is None and sp.max_new_tokens > 0:
+                raise ValueError(
+                    f"prompt {index} is empty; a prompt needs at least one token (pass "
+                    "bos_token_id to inference.generate to start empty prompts from BOS)"
+                )
+            prompt = [] if bos_token_id is None else [int(bos_token_id)]
+        for what, ids in (("token id", prompt), ("stop_token_ids id", sp.stop_token_ids),
+                          ("stop_sequences id", [t for q in sp.stop_sequences for t in q]),
+                          ("logit_bias id", [t for t, _ in sp.logit_bias])):
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompt {index}: {what} {bad[0]} is outside [0, {V}) "
+                                 f"(the model's vocab_size is {V})")
+        if sp.logprobs is not None and sp.logprobs > V:
+            raise ValueError(f"prompt {index}: logprobs={sp.logprobs} asks for more "
+                             f"alternatives than the vocabulary has; allowed: [0, {V}]")
+        if sp.overflow("error") == "crop":
+            prompt = prompt[-config.max_seq_len:]
+        elif len(prompt) >= config.max_seq_len:  # whatever max_new_tokens: say so
+            raise ValueError(
+                f"prompt {index}: prompt length {len(prompt)} leaves no room for a new token "
+                f"in the model's max_seq_len {config.max_seq_len}; allowed: prompt length + "
+                f"max_new_tokens {sp.max_new_tokens} at most {config.max_seq_len}{CROP_HINT}"
+            )
+        elif len(prompt) + sp.max_new_tokens > config.max_seq_len:
+            raise ValueError(
+                f"prompt {index}: prompt length {len(prompt)} + max_new_tokens "
+                f"{sp.max_new_tokens} = {len(prompt) + sp.max_new_tokens} exceeds the "
+                f"model's max_seq_len {config.max_seq_len}; allowed: a sum of at most "
+                f"{config.max_seq_len}{CROP_HINT}"
+            )
+        out.append(prompt)
+    return out, sampling
+
+
+def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
+    """Expand `n` (decode rows share their request's prefill row), draw missing seeds, and
+    pad prompts, rows and steps to buckets."""
+    rows, source, seeds, index = [], [], [], []
+    for p, sp in enumerate(sampling):
+        seed = sp.seed if sp.seed is not None else secrets.randbits(32)
+        for k in range(sp.n):
+            rows.append(sp), source.append(p), seeds.append(seed), index.append(k)
+    n_real = len(rows)
+    P, B = bucket(len(prompts)), bucket(n_real)
+    T = min(config.max_seq_len, bucket(max(map(len, prompts)), MIN_PROMPT_BUCKET))
+    n_steps = bucket(max(r.max_new_tokens for r in rows), CHUNK)
+    outgrows = any(len(prompts[p]) + r.max_new_tokens > config.max_seq_len  # only "crop" rows
+                   for p, r in zip(source, rows))
+    capacity = T + n_steps if outgrows else min(config.max_seq_len, T + n_steps)
+    tokens = np.full((P, T), pad_id, np.int32)
+    lengths = np.ones((P,), np.int32)
+    for p, prompt in enumerate(prompts):
+        tokens[p, : len(prompt)] = prompt
+        lengths[p] = len(prompt)
+    filler = SamplingParams(max_new_tokens=0, seed=0)
+    padded = rows + [filler] * (B - n_real)
+    want_logprobs = any(r.logprobs is not None for r in rows)
+    return Batch(
+        tokens_PT=tokens,
+        lengths_P=lengths,
+        source_B=np.array(source + [0] * (B - n_real), np.int32),
+        rows=SamplingArrays.from_params(
+            padded, seeds + [0] * (B - n_real), index + [0] * (B - n_real),
+            [prompt_hash(prompts[p]) for p in source] + [0] * (B - n_real), config.vocab_size),
+        stops=stopping.StopArrays.from_params(padded),
+        requests=tuple(rows),
+        seeds=tuple(seeds),
+        n_real=n_real,
+        capacity=capacity,
+        n_steps=n_steps,
+        n_top=min(MAX_LOGPROBS, config.vocab_size) if want_logprobs else 0,
+        forked=n_real > len(prompts),
+    )
+
+
+def fetch(state: DecodeState) -> DecodeState:
+    """The decode state on the host, without the model and the per-vocabulary arrays."""
+    return jax.device_get(state.replace(model=None, prompt_seen=None,
+                                        output_counts=None))
+
+
+def unpack_row(batch: Batch, b: int, host: DecodeState, n: int, finish_reason: str) -> Completion:
+    """Decode row b's first n tokens (and, if asked, their log-probs) as a Completion."""
+    sp = batch.requests[b]
+    completion = Completion(tokens=host.tokens[b, :n].tolist(), finish_reason=finish_reason,
+                            seed=batch.seeds[b])
+    if sp.logprobs is not None:
+        completion.logprobs = host.logprobs[b, :n].tolist()
+        completion.top_logprobs = [
+            dict(zip(host.top_ids[b, i, : sp.logprobs].tolist(),
+                     host.top_logprobs[b, i, : sp.logprobs].tolist()))
+            for i in range(n)
+        ]
+    return completion
+
+
+def unpack(batch: Batch, state: DecodeState) -> list[Completion]:
+    """Turn the final decode state into one Completion per real row."""
+    host = fetch(state)
+    return [
+        unpack_row(batch, b, host, int(host.num_tokens[b]),
+                   stopping.FINISH_REASONS[int(host.finish[b])])
+        for b in range(batch.n_real)
+    ]
+
+
+def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_id=0,
+        cache_dtype=jnp.float32) -> list[Completion]:
+    """Validate, pack, run one compiled generation program, unpack."""
+    check_params(params, config)
+    prompts, sampling = validate(config, prompts, sampling, bos_token_id)
+    if any(sp.stop for sp in sampling):
+        raise ValueError("stop strings need a tokenizer: use inference.LLM for them")
+    if all(sp.max_new_tokens == 0 for sp in sampling):  # nothing to do: compile nothing
+        return [Completion([], "length", sp.seed or 0) for sp in sampling for _ in range(sp.n)]
+    batch = pack(config, prompts, sampling, pad_id)
+    state = generate_program(
+        params, config, jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P),
+        jnp.asarray(batch.source_B), batch.rows, batch.stops, capacity=batch.capacity,
+        n_steps=batch.n_steps, n_top=batch.n_top, model_fns=model_fns, cache_dtype=cache_dtype,
+        pad_id=pad_id, forked=batch.forked,
+    )
+    return unpack(batch, state)
+
+
+def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_token_id=None,
+             pad_id: int = 0, cache_dtype=jnp.float32) -> list[Completion]:
+    """Generate from a batch of token-id prompts with a KV cache, in one compiled program.
+
+    Args:
+      params: weights in either layout (stacked, `gpt_jax.model.decode_layout`), or int8
+        (`gpt_jax.params.quantize(params, "int8")`). Stacked ones are laid out inside the
+        program on every call (a copy of every weight: gpt2 batch 1, 64 new tokens, 1.24x
+        the tokens/s laid out once beforehand): to call it repeatedly, lay them out once
+        (`jax.jit(decode_layout)(params)`, as `inference.LLM` does).
+      prompts: list of token-id lists, any lengths.
+      sampling: one SamplingParams for all prompts, or one per prompt (default greedy-free
+        SamplingParams()). A request with n > 1 gives n consecutive Completions.
+      bos_token_id: an empty prompt starts from this token; without it an empty prompt
+        raises ValueError (unless its max_new_tokens is 0, which returns []).
+      pad_id: the token recorded after a row has finished.
+    Returns:
+      One Completion per prompt and sample, in input order.
+    Raises:
+      ValueError: before anything is compiled, for any invalid request (see `validate`) or
+        params whose shapes do not match `config` (see `gpt_jax.params.check_params`).
+    """
+    return run(params, config, prompts, sampling, model_fns=cached_model,
+               bos_token_id=bos_token_id, pad_id=pad_id, cache_dtype=cache_dtype)

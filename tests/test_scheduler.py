@@ -1,0 +1,218 @@
+"""The scheduler's policy, without a model and without JAX: admission (first come first
+served, while slots and pages last), chunked-prefill planning, prefill and decode taking
+turns, preemption (the most recently admitted first), prefix reuse (a page's key covers
+every token before it) and the page pool's eviction order (least recently used first)."""
+
+import dataclasses
+import subprocess
+import sys
+
+from inference.pages import PagePool, page_hashes
+from inference.scheduler import Scheduler, SchedulerPlan, Sequence, SequenceResult, Status
+
+PAGE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """The fields of `SamplingParams` the scheduler reads (SamplingParams imports JAX)."""
+
+    max_new_tokens: int = 4
+    n: int = 1
+
+
+def scheduler(*, max_slots=8, num_pages=64, max_seq_len=256, max_prefill_tokens=128,
+              prefill_chunk_tokens=128, prefix_caching=False, decode_chunk=8) -> Scheduler:
+    return Scheduler(max_slots=max_slots, num_pages=num_pages, page_size=PAGE,
+                     max_seq_len=max_seq_len, max_prefill_tokens=max_prefill_tokens,
+                     prefill_chunk_tokens=prefill_chunk_tokens, prefix_caching=prefix_caching,
+                     decode_chunk=decode_chunk)
+
+
+def sequence(request_id, prompt, *, max_new_tokens=4, arrival=0, index=0, n=1) -> Sequence:
+    return Sequence(request_id, index, list(prompt), Sampling(max_new_tokens, n), 0, 0, arrival)
+
+
+def run_prefill(s: Scheduler) -> None:
+    """Admit and prefill while prompts fit (decoding nothing)."""
+    while s.admit() or (work := s.prefill_work()):
+        s.prefilled(work)
+
+
+def test_the_scheduler_imports_no_jax():
+    code = ("import sys, inference.scheduler, inference.pages; "
+            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_admission_is_first_come_first_served_while_slots_and_pages_last():
+    s = scheduler(max_slots=2, num_pages=5)
+    for i, length in enumerate([40, 20, 20, 8]):  # pages: 3, 2, 2, 1
+        s.add(sequence(str(i), range(length), arrival=i))
+    s.admit()
+    assert [q.request_id for q in s.active] == ["0", "1"]  # two slots
+    assert [q.slot for q in s.active] == [0, 1] and s.pool.num_free() == 0
+    assert [q.request_id for q in s.waiting] == ["2", "3"]
+    s.finish(s.active[0], "length")  # frees slot 0 and 3 pages
+    s.admit()
+    assert [q.request_id for q in s.active] == ["1", "2"] and s.active[1].slot == 0
+    # "3" would fit the free pages, but no slot is free
+    assert [q.request_id for q in s.waiting] == ["3"]
+
+
+def test_a_request_that_does_not_fit_the_free_pages_blocks_the_queue():
+    """First come first served: a later, smaller request does not overtake the head."""
+    s = scheduler(num_pages=4)
+    s.add(sequence("a", range(40)))  # 3 pages
+    s.add(sequence("b", range(40)))  # 3 more: only 1 free
+    s.add(sequence("c", range(8)))  # 1 page: would fit, but "b" is first
+    s.admit()
+    assert [q.request_id for q in s.active] == ["a"]
+    assert [q.request_id for q in s.waiting] == ["b", "c"]
+
+
+def test_a_prefill_call_fills_its_budget_with_several_prompts_not_padding():
+    """Prompts of 72 and 100 tokens, a 128-token budget: one prompt padded to 128 would put
+    72 or 100 tokens through a call; two rows of 64 put 128 through, then 8 + 36 (rows of
+    64, not one row of 128 holding 8). A lone prompt still goes in one row of its bucket; a
+    long one in chunks of the budget (or of prefill_chunk_tokens); many short ones in rows of
+    16."""
+    def calls(lengths, chunk=128):
+        s = scheduler(num_pages=64, max_seq_len=512, prefill_chunk_tokens=chunk)
+        for i, n in enumerate(lengths):
+            s.add(sequence(str(i), list(range(n)), max_new_tokens=4, arrival=i))
+        s.admit()
+        shapes = []
+        while work := s.prefill_work():
+            shapes.append([(w.seq.request_id, w.start, w.n) for w in work])
+            s.prefilled(work)
+        return shapes
+
+    assert calls([72, 100]) == [[("0", 0, 64), ("1", 0, 64)], [("0", 64, 8), ("1", 64, 36)]]
+    assert calls([100]) == [[("0", 0, 100)]]
+    assert calls([300]) == [[("0", 0, 128)], [("0", 128, 128)], [("0", 256, 44)]]
+    assert calls([20] * 6) == [[(str(i), 0, 16) for i in range(6)],
+                               [(str(i), 16, 4) for i in range(6)]]
+    # at most 64 tokens of one prompt per call: the long one goes in chunks of 64
+    assert calls([300], chunk=64) == [[("0", lo, 64)] for lo in range(0, 256, 64)] + \
+        [[("0", 256, 44)]]
+    assert calls([72, 100], chunk=64) == calls([72, 100])
+
+
+def test_prefill_goes_in_chunks_and_takes_turns_with_decode():
+    s = scheduler(max_prefill_tokens=64, prefill_chunk_tokens=32)
+    s.add(sequence("a", range(20), max_new_tokens=100))
+    plan = s.schedule()
+    assert [(w.seq.request_id, w.start, w.n, w.completes) for w in plan.prefill] == \
+        [("a", 0, 20, True)]
+    assert plan.sampled == [plan.prefill[0].seq] and plan.runs
+    s.update(plan, [SequenceResult(plan.prefill[0].seq, [7], [], [])])
+    assert s.active[0].status == Status.RUNNING and s.active[0].output == [7]
+    s.add(sequence("b", range(100), arrival=1))  # 100 tokens: chunks of 32
+    kinds = []
+    for _ in range(8):
+        plan = s.schedule()
+        kinds.append([(w.seq.request_id, w.start, w.n) for w in plan.prefill] or
+                     [q.request_id for q in plan.decode])
+        s.update(plan, [SequenceResult(q, [1] * 8, [], []) for q in plan.decode])
+    # after a prefill call, a decode chunk for the running one, turn about, until "b" is in
+    assert kinds == [["a"], [("b", 0, 32)], ["a"], [("b", 32, 32)], ["a"], [("b", 64, 32)],
+                     ["a"], [("b", 96, 4)]]
+    assert not s.schedule().prefill  # nothing left to prefill: "a" and "b" decode
+    assert len(s.running()) == 2
+
+
+def test_decode_preempts_the_most_recently_admitted_sequence():
+    s = scheduler(num_pages=4, decode_chunk=24)
+    for i in range(3):  # 16-token prompts: a page each, all admitted
+        s.add(sequence(str(i), range(100 * i, 100 * i + 16), max_new_tokens=40, arrival=i))
+    run_prefill(s)
+    assert [q.status for q in s.active] == [Status.RUNNING] * 3 and s.pool.num_free() == 1
+    plan = s.schedule()  # each wants 2 more pages for its next 24 tokens: 6 > 1 free
+    assert [q.request_id for q in plan.preempted] == ["2", "1"]  # newest first, until the rest fit
+    assert [q.request_id for q in plan.decode] == ["0"]
+    assert [q.request_id for q in s.waiting] == ["1", "2"]  # at the front, in admission order
+    assert all(q.status == Status.WAITING and not q.pages and q.slot is None
+               for q in plan.preempted)
+    assert s.preemptions == 2 and len(s.active[0].pages) == 3
+
+
+def test_a_preempted_sequence_keeps_its_output_and_is_recomputed_with_it():
+    s = scheduler(num_pages=2, decode_chunk=8)
+    s.add(sequence("a", range(16), max_new_tokens=40))
+    s.add(sequence("b", range(50, 66), max_new_tokens=40, arrival=1))
+    run_prefill(s)
+    b = s.active[1]
+    s.update(SchedulerPlan(), [SequenceResult(b, [5, 6], [], [])])
+    plan = s.schedule()
+    assert plan.preempted == [b] and b.output == [5, 6]
+    s.finish(s.active[0], "eos")
+    s.admit()
+    assert b.target == list(range(50, 66)) + [5, 6] and b.prefilled == 0  # prompt and output
+
+
+def test_prefix_pages_are_reused_only_for_the_same_tokens_at_the_same_place():
+    """A page's key covers every token before it: the same 16 tokens as the second page of
+    one prompt and the first page of another do not match."""
+    s = scheduler(prefix_caching=True)
+    shared, other = list(range(16)), list(range(100, 116))
+    s.add(sequence("a", shared + other + [1]))
+    run_prefill(s)
+    a_pages = s.active[0].pages
+    s.add(sequence("b", shared + other + [2], arrival=1))  # both full pages reused
+    s.add(sequence("c", other + shared + [3], arrival=2))  # same pages' tokens, other places
+    s.add(sequence("d", shared + [9] * 16 + [4], arrival=3))  # first page only
+    s.admit()
+    b, c, d = s.active[1:]
+    assert b.pages[:2] == a_pages[:2] and b.prefilled == 32
+    assert not set(c.pages) & set(a_pages) and c.prefilled == 0
+    assert d.pages[0] == a_pages[0] and d.pages[1] != a_pages[1] and d.prefilled == 16
+    assert s.prefix_cache_hits == 3
+    assert page_hashes(shared + other, PAGE)[1] != page_hashes(other, PAGE)[0]
+
+
+def test_without_prefix_caching_only_the_samples_of_one_request_share_pages():
+    s = scheduler(prefix_caching=False)
+    prompt = list(range(33))
+    s.add(sequence("a", prompt, n=2))
+    s.add(sequence("a", prompt, index=1, n=2))
+    s.add(sequence("b", prompt, arrival=1))
+    s.admit()
+    assert [q.request_id for q in s.active] == ["a"]  # the second sample waits for the pages
+    run_prefill(s)
+    first, second, b = s.active
+    assert second.pages[:2] == first.pages[:2] and s.prefix_cache_hits == 2
+    assert not set(b.pages) & set(first.pages)
+
+
+def test_the_least_recently_released_cached_page_is_evicted_first():
+    pool = PagePool(3)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    pool.register(a, b"key a"), pool.register(b, b"key b")
+    pool.release([a]), pool.release([b])  # both cached, unused: a is the older
+    pool.release([c])  # never cached: back to the free list
+    assert pool.allocate() == c  # the free list first
+    assert pool.allocate() == a  # then the least recently used cached page
+    assert pool.lookup([b"key a"]) == [] and pool.lookup([b"key b"]) == [b]
+    pool.retain(b)  # in use again: no longer evictable
+    assert pool.num_free() == 0
+
+
+def test_update_finishes_and_frees_and_abort_drops_a_request():
+    s = scheduler(num_pages=8)
+    s.add(sequence("a", range(20), max_new_tokens=8))
+    s.add(sequence("b", range(20), max_new_tokens=8, arrival=1))
+    s.add(sequence("b", range(20), max_new_tokens=8, arrival=1, index=1, n=2))
+    s.add(sequence("z", range(5), max_new_tokens=0, arrival=2))  # nothing to generate
+    assert s.requests["z"][0].status == Status.FINISHED and len(s.waiting) == 3
+    plan = s.schedule()
+    a = plan.prefill[0].seq
+    s.update(plan, [SequenceResult(a, [3, 4, 5], [], [], "stop", num_tokens=2)])
+    assert a.output == [3, 4] and a.finish_reason == "stop" and a.status == Status.FINISHED
+    assert a.slot is None and not a.pages
+    assert sorted(s.finished_requests()) == ["a", "z"] and sorted(s.requests) == ["b"]
+    free = s.pool.num_free()
+    aborted = s.abort("b")
+    assert [q.finish_reason for q in aborted] == ["abort", "abort"]
+    assert not s.active and not s.waiting and s.pool.num_free() == 8 > free
+    assert s.finished_requests() == [] and not s.requests
