@@ -1,5 +1,7 @@
+import contextlib
 import os
 import socket
+from pathlib import Path
 
 # XLA:CPU compile options for the whole suite (and the subprocesses it starts, which inherit
 # the environment), set before JAX starts its backend. The suite's time is mostly XLA
@@ -54,11 +56,19 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick)."""
+@contextlib.contextmanager
+def taken_port():
+    """A TCP port on 127.0.0.1 (the OS's pick) that a socket listens on until the block ends."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick)."""
+    with taken_port() as port:
+        return port
 
 
 def lively_params(config, seed=5, scale=6.0):
@@ -114,3 +124,37 @@ def decode_attention(request, monkeypatch):
     else:
         assert cpu_attention.available(), "the CPU attention kernel did not build"
     return request.param
+
+
+# A training corpus and one trained run, shared by the training and checkpoint tests.
+WORDS = ("the king queen lord speaks night day love death sword crown heart blood gentle "
+         "sweet noble fair good my thy and of to in what how now").split()
+
+
+def synthetic_corpus(n_lines=1500, seed=0) -> str:
+    """Sentences of random words: characters are far from uniform, words are learnable."""
+    rng = np.random.default_rng(seed)
+    lines = [" ".join(rng.choice(WORDS, rng.integers(4, 9))).capitalize() + "."
+             for _ in range(n_lines)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "words.txt"
+    path.write_text(synthetic_corpus())
+    return path
+
+
+@pytest.fixture(scope="session")
+def trained(corpus, tmp_path_factory):
+    """One 300-step tiny run; the params at each evaluation are kept."""
+    from training import train as T
+    from training.config import TrainConfig
+
+    cfg = TrainConfig.preset("tiny", text=str(corpus), keep_checkpoints=2,
+                               run_dir=str(tmp_path_factory.mktemp("run") / "tiny"))
+    seen = {}
+    # The next step donates the params' buffers: keep host copies.
+    summary = T.train(cfg, on_eval=lambda step, params: seen.update({step: jax.device_get(params)}))
+    return cfg, summary, seen

@@ -1,8 +1,14 @@
 """The `gpt-jax` command's own dispatch (each subcommand's flags are tested with it)."""
 
+import os
+import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from gpt_jax import cli
+from training import train as T
 
 
 def test_bench_help_lists_the_benchmarks(capsys, monkeypatch):
@@ -24,3 +30,23 @@ def test_a_benchmark_without_torch_says_what_to_install(capsys, monkeypatch):
         "gpt-jax bench throughput: needs torch, which `make test` installs (or `pip install "
         "torch==2.13.0 transformers`, torch first); or pass --no-hf to leave transformers "
         "out\n")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a glibc tunable")
+def test_training_restarts_itself_with_huge_pages_once(tmp_path):
+    (tmp_path / "probe_env.py").write_text(
+        "import os, sys; print(os.environ['GLIBC_TUNABLES'], sys.argv[1:])")
+    code = ("from training.process import restart_with_huge_pages as r; "
+            "r('probe_env', ['--max-steps', '3']); print('not restarted')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(T.__file__).parents[1]),
+                                                        str(tmp_path)])}
+
+    def run(tunables):
+        return subprocess.run([sys.executable, "-c", code], env={**env, "GLIBC_TUNABLES": tunables},
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+
+    # the same process, restarted as `python -m MODULE ARGS` with the tunable added to the rest
+    assert run("glibc.pthread.rseq=1") == \
+        "glibc.pthread.rseq=1:glibc.malloc.hugetlb=1 ['--max-steps', '3']"
+    assert run("") == "glibc.malloc.hugetlb=1 ['--max-steps', '3']"
+    assert run("glibc.malloc.hugetlb=0") == "not restarted"  # the user's setting stands

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,9 +26,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import TEST_XLA_FLAGS, assert_close, free_port
+from conftest import TEST_XLA_FLAGS, assert_close, free_port, synthetic_corpus, taken_port
 from gpt_jax import checkpoint
-from test_train import synthetic_corpus
 from training import distributed, report
 from training import train as T
 
@@ -308,10 +306,8 @@ def test_a_coordinator_that_never_answers_is_a_bounded_clear_error(no_joining):
 
 def test_a_coordinator_port_in_use_is_refused_before_joining(no_joining, monkeypatch):
     """JAX 0.10 sometimes segfaults on a taken port instead of raising."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        address = f"127.0.0.1:{taken.getsockname()[1]}"
+    with taken_port() as port:
+        address = f"127.0.0.1:{port}"
         monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", address)
         with pytest.raises(SystemExit, match=rf"^train: the coordinator cannot listen on "
                                              rf"{address}: the port is in use on this host"):

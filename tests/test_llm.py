@@ -15,6 +15,8 @@ from inference import llm as llm_module
 from inference.decode import CHUNK
 from inference.llm import LLM
 from inference.sampling import SamplingParams
+from training import train as T
+from training.config import TrainConfig
 
 WIDTH = 5  # characters per token of the toy vocabulary
 
@@ -352,3 +354,27 @@ def test_malformed_token_id_lists_are_named(capsys):
             cli.parse_args([flag, "1,x"])
         assert "expected comma-separated token ids such as 1,2,3, got '1,x'" in \
             capsys.readouterr().err
+
+
+def test_bpe_run_generates_text_through_its_saved_tokenizer(corpus, tmp_path, capfd):
+    from gpt_jax.tokenizer import BPETokenizer
+    from inference import SamplingParams
+    from inference.llm import LLM
+
+    cfg = TrainConfig.preset("tiny", text=str(corpus), tokenizer="bpe", bpe_vocab_size=300,
+                               run_dir=str(tmp_path / "bpe"), max_steps=2, eval_interval=2)
+    T.train(cfg)
+    llm = LLM.from_checkpoint(cfg.run_dir)
+    assert isinstance(llm.tokenizer, BPETokenizer) and llm.config.vocab_size == 300
+    with pytest.raises(ValueError, match=r"has no checkpoint at step 7; its steps are \[2\]"):
+        LLM.from_checkpoint(cfg.run_dir, step=7)
+    with pytest.raises(TypeError, match="got a bare string"):
+        llm.generate("The king", progress=False)
+    capfd.readouterr()
+    with pytest.raises(TypeError, match="got a bare string"):  # before any progress bar
+        llm.generate("The king")
+    assert capfd.readouterr().err == ""
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+    out = llm.generate(["The king speaks ✓"], sampling, progress=False)[0]
+    assert len(out.tokens) == 8
+    assert out.text == llm.tokenizer.decode(out.tokens)

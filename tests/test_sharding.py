@@ -52,6 +52,20 @@ def test_four_device_step_and_generate_match_one_device():
         "--cpu-devices on CPU)", False]
 
 
+def test_split_host_cpu_refuses_once_jax_has_started():
+    import jax
+    import pytest
+
+    from training import sharding
+
+    jax.numpy.zeros(1).block_until_ready()
+    with pytest.raises(RuntimeError, match="jax_num_cpu_devices config should be updated "
+                                           "before backends are initialized"):
+        sharding.split_host_cpu(2)
+    with pytest.raises(ValueError, match="n_devices must be >= 1, got 0"):
+        sharding.split_host_cpu(0)
+
+
 def _max_diff(a, b):
     import jax
     import numpy as np

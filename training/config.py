@@ -106,8 +106,9 @@ class TrainConfig:
 
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     # `make demo`: the built-in plays, nanoGPT's CPU recipe (12 x 64 tokens per step) at twice its
-    # learning rate for 8000 steps: 355 s of the 450 s budget on 2 idle cores (2 devices), val
-    # 1.585 nats/char; a slower machine fits fewer steps to the budget (`time_budget_s`).
+    # learning rate for 8000 steps, which fit the 450 s budget on 2 idle cores (2 devices; time
+    # and val loss: training/README.md); a slower machine fits fewer steps to the budget
+    # (`time_budget_s`).
     # `cli demo` trains TrainConfig() itself, so this preset is the class defaults.
     "shakespeare-char": TrainConfig(),
     # nanoGPT's config/train_shakespeare_char.py with its README's CPU overrides

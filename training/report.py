@@ -25,8 +25,8 @@ def measure_peak_flops(mesh: Mesh, n: int = 1024, reps: int = 5) -> float:
     """Achieved float32 FLOP/s of n x n matmuls, one per device of `mesh`, run together, the
     fastest of `reps`: the MFU denominator when the device's datasheet peak is not given.
     (Host CPU devices share the cores, so this is the whole host's rate, not one device's
-    times the count. The fastest, not the mean: on a machine other jobs load, a mean of 5
-    read 32 GFLOP/s where the cores reach ~150, and MFU showed 77%.)"""
+    times the count. The fastest, not the mean: on a machine other jobs load, the mean
+    reads far below what the cores reach, and MFU far above; training/README.md.)"""
     a = jax.device_put(jnp.ones((mesh.devices.size, n, n), jnp.float32),
                        NamedSharding(mesh, P(mesh.axis_names[0])))
     matmul = jax.jit(lambda a: a @ a)

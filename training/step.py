@@ -69,7 +69,7 @@ def init_state(cfg: TrainConfig, config: GPTConfig, optimizer, mesh):
     each process supplies only its own devices' shards (`sharding.put_host`); the optimizer
     state is made on the mesh by one jitted program. Avoided: `device_put` of host copies
     checks leaf by leaf that every process holds the same copy (a cross-process gather per
-    array, 4-8 s of start-up for the tiny model), and drawing them everywhere compiles the
+    array: seconds of start-up, training/README.md), and drawing them everywhere compiles the
     init on every process but 0 (on CPU JAX's persistent cache serves process 0 alone).
     """
     params = distributed.on_process_0(lambda: init_params(config, jax.random.key(cfg.seed)))
@@ -86,9 +86,9 @@ def loss_fn(params, config: GPTConfig, x_BT, y_BT, compute_dtype=jnp.float32):
     float32 master params are cast for the forward pass (their gradients come back float32);
     logits, LayerNorm and softmax stay float32 inside the model.
 
-    The layers run unrolled (`unstack_layers`): the train step measured ~14% faster than with
-    the `lax.scan` over stacked layers (nanogpt-cpu shape, 10 paired rounds on 2 cores), for
-    a few seconds more compilation. Gradients flow back to the stacked params.
+    The layers run unrolled (`unstack_layers`): the train step is faster than with the
+    `lax.scan` over stacked layers, for a few seconds more compilation (training/README.md).
+    Gradients flow back to the stacked params.
     """
     params = unstack_layers(jax.tree.map(lambda p: p.astype(compute_dtype), params))
     logits_BTV = forward(params, x_BT, config)
@@ -104,8 +104,8 @@ def _train_step(config: GPTConfig, optimizer, compute_dtype, shardings: TrainSta
     With replicated params on a mesh of several devices (plain data parallelism) each device
     takes the gradients of its own part of the batch and the devices average them as ONE
     flat array (`mean_over_devices`). Left to XLA's partitioner, the gradients cross in one
-    all-reduce of a tuple of ~60 arrays, which XLA:CPU runs as one rendezvous per array:
-    3.4 ms of a ~40 ms nanogpt-cpu step on 2 devices, against ~0.3 ms flat.
+    all-reduce of a tuple of ~60 arrays, which XLA:CPU runs as one rendezvous per array,
+    far slower than one flat array (training/README.md, "One flat all-reduce").
     """
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -144,9 +144,8 @@ def make_train_steps(config: GPTConfig, optimizer, compute_dtype=jnp.float32,
 
     Why: the host's per-step work (dispatching the step, placing its batch, reading its
     loss, the loop's bookkeeping) runs on the same cores as the devices (on CPU every core
-    is a device), and a device it delays holds the other at the gradient all-reduce. Once a
-    call instead: 1.05x the steps/s at K = 10 over 30 alternated rounds (nanogpt-cpu, 2
-    devices; training/README.md).
+    is a device), and a device it delays holds the other at the gradient all-reduce; once a
+    call it delays them less (figures: training/README.md, "several steps a call").
     """
     train_step = _train_step(config, optimizer, compute_dtype, shardings)
 

@@ -575,11 +575,10 @@ def large_buffers(cfg: TrainConfig) -> bool:
     its stacked MLP weight or its embedding table is that large (the gradients, moments and
     logits are of the same order).
 
-    Measured (alternated processes): the gpt2 shape at batch 4 x 256 on 2 devices took 616k
-    page faults and 1.3 s of system time per 6.3-6.5 s step; with huge pages (see
-    `training.process.restart_with_huge_pages`) 2.2k and 0.27 s, steps of 5.3-5.75 s. The
-    nanogpt-cpu step (1 MB arrays, reused from the heap) ran ~5% slower with them (38.5
-    against 36.5 ms median, 5 rounds out of 5), so small models keep 4 KiB pages."""
+    Such steps spend much of their time in page faults, which huge pages (see
+    `training.process.restart_with_huge_pages`) remove; a small model's step (arrays the heap
+    reuses) runs slower with them, so small models keep 4 KiB pages (figures:
+    training/README.md, "One flat all-reduce, and huge pages")."""
     config = GPTConfig.preset(cfg.model)
     largest = max(config.n_layers * config.d_model * config.d_ff,
                   config.vocab_size * config.d_model) * 4

@@ -1,0 +1,108 @@
+"""`gpt-jax demo`: its budget checks, its one generation call, and what it reports of the
+run it trained or resumed."""
+
+import dataclasses
+import json
+
+import pytest
+
+from training.config import TrainConfig
+
+
+def test_demo_refuses_a_bad_budget_before_touching_the_previous_run(tmp_path):
+    from training import demo
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit, match="demo: TrainConfig.time_budget_s must be >= 0, got -1"):
+        demo.main(["--run-dir", str(run), "--retrain", "--train-seconds", "-1"])
+    # Fault: NaN passed the `< 0` check and crashed the budget's fit after training began
+    with pytest.raises(SystemExit, match=r"^demo: TrainConfig.time_budget_s must be a finite "
+                                         r"number, got nan$"):
+        demo.main(["--run-dir", str(run), "--retrain", "--train-seconds", "nan"])
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # not renamed away
+
+def test_demo_asks_500_characters_per_speaker_in_one_batch_by_cropping(tmp_path, monkeypatch):
+    """The demo's generation call, with training and data skipped (a finished run)."""
+    import inference.cli
+    from training import demo
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(
+        {"steps": 1, "tokens_per_s": 1.0, "train_loss": 1.0, "val_loss": 1.0}))
+    monkeypatch.setattr(demo, "data_main", lambda argv: None)
+    calls = []
+    monkeypatch.setattr(inference.cli, "main", calls.append)
+    demo.main(["--run-dir", str(run)])
+    (argv,) = calls
+    args = inference.cli.parse_args(argv)
+    sampling = inference.cli.sampling_from_args(args)
+    assert sampling.max_new_tokens == 500 and sampling.context_overflow == "crop"
+    assert args.prompt == demo.PROMPTS and args.run_dir == str(run)  # one call: one batch
+
+def test_demo_reports_training_done_since_its_summary(tmp_path, monkeypatch, capsys):
+    """Fault: after `gpt-jax train --run-dir RUN --max-steps N` resumed the demo's run, the
+    demo printed its old summary.json (old steps and losses) as the model's."""
+    import inference.cli
+    from training import demo
+    from training.report import append_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(
+        {"steps": 100, "tokens_per_s": 1000.0, "train_loss": 2.0, "val_loss": 2.1}))
+    append_metrics(run, {"step": 100, "train_loss": 2.0, "val_loss": 2.1, "tokens_per_s": 1000.0})
+    monkeypatch.setattr(demo, "data_main", lambda argv: None)
+    monkeypatch.setattr(inference.cli, "main", lambda argv: None)
+    demo.main(["--run-dir", str(run)])  # the summary is current: printed as it is
+    assert f"training: 100 steps, 1,000 tokens/s, train loss 2.000, val loss 2.100 nats/char; " \
+           f"model in {run}\n" in capsys.readouterr().out
+    append_metrics(run, {"step": 300, "train_loss": 1.5, "val_loss": 1.6, "tokens_per_s": 900.0})
+    demo.main(["--run-dir", str(run)])  # resumed since: metrics.jsonl's last line
+    out = capsys.readouterr().out
+    assert f"{run / 'summary.json'} is from step 100, but the run has trained to step 300 " \
+           f"since: figures from metrics.jsonl's last line\n" in out
+    assert f"training: 300 steps, 900 tokens/s, train loss 1.500, val loss 1.600 nats/char; " \
+           f"model in {run}\n" in out
+
+def test_demo_says_when_the_budget_stopped_the_run_before_its_schedule(tmp_path, monkeypatch,
+                                                                      capsys):
+    import inference.cli
+    from training import demo
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(
+        {"steps": 100, "max_steps": 120, "tokens_per_s": 1000.0, "train_loss": 2.0,
+         "val_loss": 2.1}))
+    monkeypatch.setattr(demo, "data_main", lambda argv: None)
+    monkeypatch.setattr(inference.cli, "main", lambda argv: None)
+    demo.main(["--run-dir", str(run)])
+    assert f"training: 100 of 120 steps, 1,000 tokens/s, train loss 2.000, val loss 2.100 " \
+           f"nats/char; model in {run}\n" in capsys.readouterr().out
+
+def test_a_stopped_demo_run_resumes_with_the_steps_its_budget_fitted(tmp_path, monkeypatch):
+    """Fault: `make demo` started again after a stop resumed with the preset's max_steps,
+    not the fewer that its time budget had fitted (train_config.json), so the learning-rate
+    schedule changed in the middle of the run. A new run dir still takes the preset."""
+    import inference.cli
+    from training import demo
+    from training import train as train_module
+
+    seen = []
+    monkeypatch.setattr(demo, "data_main", lambda argv: None)
+    monkeypatch.setattr(inference.cli, "main", lambda argv: None)
+    monkeypatch.setattr(train_module, "split_host", lambda cfg: None)
+    monkeypatch.setattr(train_module, "train", lambda cfg: seen.append(cfg) or {
+        "steps": cfg.max_steps, "tokens_per_s": 1.0, "train_loss": 1.0, "val_loss": 1.0})
+    stopped, fresh = tmp_path / "stopped", tmp_path / "fresh"
+    fitted = dataclasses.replace(TrainConfig(), run_dir=str(stopped), max_steps=3210,
+                                 time_budget_s=450.0)
+    stopped.mkdir()
+    (stopped / "train_config.json").write_text(json.dumps(dataclasses.asdict(fitted)))
+    demo.main(["--run-dir", str(stopped), "--train-seconds", "300"])
+    demo.main(["--run-dir", str(fresh)])
+    assert [(c.run_dir, c.max_steps, c.time_budget_s) for c in seen] == [
+        (str(stopped), 3210, 300.0), (str(fresh), TrainConfig().max_steps, 450.0)]
