@@ -54,8 +54,8 @@ from flax import struct
 from gpt_jax import cache as kv
 from gpt_jax.cache import CACHE_ROW_AXES, PagedKVCache
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params, decode_layout, forward_last, lm_head, transformer
-from gpt_jax.params import check_params, inference_params
+from gpt_jax.model import forward_last, lm_head, transformer
+from gpt_jax.params import Params, check_params, decode_layout, inference_params
 from inference import stopping
 from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, prompt_hash, sample
 from inference.scheduler import (MIN_PROMPT_BUCKET, PrefillWork, Scheduler, Sequence,
