@@ -131,8 +131,8 @@ def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) ->
       Inside a `lax.scan` that carries its input (`gpt_jax.model.forward` over stacked
       layers), JAX inlines those rules when it first differentiates the scan and then
       refuses the second derivative ("The FFI call ... cannot be differentiated"): take it
-      over `unstack_layers(params)` or with `GPT_JAX_CPU_KERNEL=0`. Under `jax.vmap` the
-      kernels run once per mapped element.
+      over `gpt_jax.params.unstack_layers(params)` or with `GPT_JAX_CPU_KERNEL=0`. Under
+      `jax.vmap` the kernels run once per mapped element.
     Raises:
       ValueError: shapes other than the above (when traced).
     """
