@@ -39,7 +39,7 @@ SHAPES = ((768, 2304), (768, 3072), (3072, 768))  # (I, O) of a GPT-2 block's ma
 def xla_path(x_MI, w: Int8Weight):
     """`gpt_jax.layers.int8_matmul`'s XLA path (what GPUs and TPUs run)."""
     O, I = w.shape
-    q_OI = jnp.einsum("PIJ->PJI", w.values_PIJ).reshape(-1, I)[:O]
+    q_OI = jnp.swapaxes(w.values, 1, 2).reshape(-1, I)[:O]
     return (x_MI @ q_OI.astype(jnp.float32).T) * w.scale_O[None]
 
 
@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     floats = [jnp.asarray(0.02 * rng.standard_normal((O, I), np.float32)) for I, O in SHAPES]
     quantized = [jax.jit(Int8Weight.quantize)(w) for w in floats]
     paths = {
-        "kernel": (jax.jit(lambda xs, ws: [int8_kernel.int8_matmul(x, w.values_PIJ, w.scale_O)
+        "kernel": (jax.jit(lambda xs, ws: [int8_kernel.int8_matmul(x, w.values, w.scale_O)
                                            for x, w in zip(xs, ws)]), quantized),
         "xla": (jax.jit(lambda xs, ws: [xla_path(x, w) for x, w in zip(xs, ws)]), quantized),
         "float32": (jax.jit(lambda xs, ws: [x @ w.T for x, w in zip(xs, ws)]), floats),

@@ -72,7 +72,7 @@ def _online_softmax_block(state, q_TKGH, k_KSH, v_KSH, mask_TS):
     return new_max_KGT, sum_KGT * rescale_KGT + probs_KGTS.sum(-1), acc_KGTH
 
 
-def _prefix_state_xla(q_TKGH, k_pool, v_pool, page_table_M, length, bound):
+def _prefix_state_xla(q_TKGH, k_pool, v_pool, page_table, length, bound):
     """The online-softmax state of queries `q_TKGH` over cache slots [0, length) of one
     row's pages, reading the pages below `bound` (>= length) in blocks of ATTENTION_BLOCK
     slots: each block's pages are gathered from the pools by the row's page table.
@@ -81,9 +81,9 @@ def _prefix_state_xla(q_TKGH, k_pool, v_pool, page_table_M, length, bound):
     by a vmapped batch (a `while_loop`: the work follows the live length, not the capacity).
     """
     num_pages, K, P, H = k_pool.shape
-    M, T = page_table_M.shape[0], q_TKGH.shape[0]
-    per_block = max(1, min(M, ATTENTION_BLOCK // P))
-    table = jnp.pad(page_table_M, (0, -M % per_block), constant_values=kv.NO_PAGE)
+    max_pages, T = page_table.shape[0], q_TKGH.shape[0]
+    per_block = max(1, min(max_pages, ATTENTION_BLOCK // P))
+    table = jnp.pad(page_table, (0, -max_pages % per_block), constant_values=kv.NO_PAGE)
 
     def gather(pool, ids):  # [per_block, K, P, H] pages -> [K, per_block * P, H] slots
         pages = pool[jnp.clip(ids, 0, num_pages - 1)]
@@ -101,19 +101,19 @@ def _prefix_state_xla(q_TKGH, k_pool, v_pool, page_table_M, length, bound):
 
     block_slots = per_block * P
     if isinstance(bound, int):
-        n_blocks = -(-min(bound, M * P) // block_slots)
+        n_blocks = -(-min(bound, max_pages * P) // block_slots)
     else:
-        n_blocks = -(-jnp.minimum(bound, M * P) // block_slots)
+        n_blocks = -(-jnp.minimum(bound, max_pages * P) // block_slots)
     return jax.lax.fori_loop(0, n_blocks, body, _init_softmax(q_TKGH))
 
 
-def _prefix_state_kernel(q_TKGH, k_pool, v_pool, page_table_M, length):
+def _prefix_state_kernel(q_TKGH, k_pool, v_pool, page_table, length):
     """`_prefix_state_xla`'s state from the CPU kernel (`gpt_jax.kernels.paged_attention`), which
     reads exactly slots [0, length): the normalized output, its log-sum-exp as the running
     maximum and a total of one (zero for an empty prefix)."""
     T, K, G, H = q_TKGH.shape
     q_KQH = jnp.einsum("TKGH->KTGH", q_TKGH).reshape(K, T * G, H)
-    out_KQH, lse_KQ = paged_kernel.paged_decode_attention(q_KQH, k_pool, v_pool, page_table_M,
+    out_KQH, lse_KQ = paged_kernel.paged_decode_attention(q_KQH, k_pool, v_pool, page_table,
                                                           length)
     lse_KGT = jnp.einsum("KTG->KGT", lse_KQ.reshape(K, T, G))
     acc_KGTH = jnp.einsum("KTGH->KGTH", out_KQH.reshape(K, T, G, H))
@@ -121,7 +121,7 @@ def _prefix_state_kernel(q_TKGH, k_pool, v_pool, page_table_M, length):
     return lse_KGT, total_KGT, acc_KGTH
 
 
-def attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table_M, length, bound):
+def attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table, length, bound):
     """Causal attention of T new queries at positions length..length+T-1 of one sequence.
 
     The keys are the row's cached slots [0, length), found through its page table in the
@@ -141,7 +141,7 @@ def attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table_M, length, boun
     T, N, H = q_TNH.shape
     K = k_TKH.shape[1]
     q_TKGH = q_TNH.reshape(T, K, N // K, H)
-    args = (q_TKGH, k_pool, v_pool, page_table_M, length)
+    args = (q_TKGH, k_pool, v_pool, page_table, length)
     xla = lambda *args: _prefix_state_xla(*args, bound)  # noqa: E731
     state = kernels.dispatch(T == 1 and paged_kernel.use_kernel(), _prefix_state_kernel, xla,
                              *args)
@@ -180,7 +180,8 @@ def _softmax_output(state) -> jax.Array:
     """Attention output `[T, N, H]` float32 from a final online-softmax state: the weighted
     sum over the softmax total; zeros for a query that saw no key."""
     _, sum_KGT, acc_KGTH = state
-    out_KGTH = jnp.where(sum_KGT[..., None] > 0, acc_KGTH / jnp.maximum(sum_KGT, 1e-30)[..., None], 0.0)
+    out_KGTH = jnp.where(sum_KGT[..., None] > 0,
+                         acc_KGTH / jnp.maximum(sum_KGT, 1e-30)[..., None], 0.0)
     K, G, T, H = out_KGTH.shape
     return jnp.einsum("KGTH->TKGH", out_KGTH).reshape(T, K * G, H)
 

@@ -89,10 +89,12 @@ class InputMajor(Weight):
     w_IO: jax.Array
 
     def matmul(self, x_MI: jax.Array) -> jax.Array:
+        """`x @ w`, `[M, O]`."""
         return _matmul(x_MI, self.w_IO)
 
     @classmethod
     def concatenate(cls, ws: list[InputMajor]) -> InputMajor:
+        """The weights side by side: their outputs in order."""
         return cls(jnp.concatenate([w.w_IO for w in ws], axis=1))
 
 
@@ -131,6 +133,7 @@ class OutputMajor(Weight):
 
     @classmethod
     def concatenate(cls, ws: list[OutputMajor]) -> OutputMajor:
+        """The weights stacked: their outputs in order."""
         return cls(jnp.concatenate([w.w_OI for w in ws], axis=0))
 
 
@@ -150,7 +153,7 @@ class Int8Weight(Weight):
     `gpt_jax.params.quantize` makes them.
     """
 
-    values_PIJ: jax.Array  # int8 [ceil(O / 16), I, 16], channel o at [o // 16, :, o % 16]
+    values: jax.Array  # int8 [ceil(O / 16), I, 16], channel o at [o // 16, :, o % 16]
     scale_O: jax.Array  # float32 [O], the step of channel o
     PANEL = 16  # output channels per panel (a class constant, not a field)
 
@@ -163,19 +166,19 @@ class Int8Weight(Weight):
         scale_O = jnp.max(jnp.abs(w_OI), axis=1) / 127.0
         step_O = jnp.where(scale_O > 0, scale_O, 1.0)
         q_OI = jnp.clip(jnp.round(w_OI / step_O[:, None]), -127, 127).astype(jnp.int8)
-        P = -(-O // cls.PANEL)
-        q_OI = jnp.pad(q_OI, ((0, P * cls.PANEL - O), (0, 0)))
-        return cls(jnp.einsum("PJI->PIJ", q_OI.reshape(P, cls.PANEL, I)), scale_O)
+        n_panels = -(-O // cls.PANEL)
+        q_OI = jnp.pad(q_OI, ((0, n_panels * cls.PANEL - O), (0, 0)))
+        return cls(jnp.swapaxes(q_OI.reshape(n_panels, cls.PANEL, I), 1, 2), scale_O)
 
     @property
     def shape(self) -> tuple[int, int]:
         """`(O, I)`, the shape of the matrix it stands for."""
-        return self.scale_O.shape[0], self.values_PIJ.shape[1]
+        return self.scale_O.shape[0], self.values.shape[1]
 
     def values_OI(self) -> jax.Array:
         """The int8 values as the matrix `[O, I]` (out of their panels)."""
         O, I = self.shape
-        return jnp.einsum("PIJ->PJI", self.values_PIJ).reshape(-1, I)[:O]
+        return jnp.swapaxes(self.values, 1, 2).reshape(-1, I)[:O]
 
     def dequantize(self) -> jax.Array:
         """The float32 matrix `[O, I]` it stands for."""
@@ -183,7 +186,7 @@ class Int8Weight(Weight):
 
     def rows(self, ids: jax.Array) -> jax.Array:
         """Rows `w[ids]` in float32, `[*ids.shape, I]` (an embedding lookup)."""
-        values = self.values_PIJ[ids // self.PANEL, :, ids % self.PANEL]
+        values = self.values[ids // self.PANEL, :, ids % self.PANEL]
         return values.astype(jnp.float32) * self.scale_O[ids][..., None]
 
     def matmul(self, x_MI: jax.Array, preferred_element_type=None) -> jax.Array:
@@ -219,13 +222,13 @@ def int8_matmuls(x_MI: jax.Array, ws: list[Int8Weight]) -> list[jax.Array]:
     x_MI = x_MI.astype(jnp.float32)
 
     def xla(x_MI, *weights):  # the scale after the sum, as the kernel applies it
-        return [(x_MI @ Int8Weight(values_PIJ, scale_O).values_OI().astype(jnp.float32).T)
-                * scale_O[None] for values_PIJ, scale_O in zip(weights[::2], weights[1::2])]
+        return [(x_MI @ Int8Weight(values, scale_O).values_OI().astype(jnp.float32).T)
+                * scale_O[None] for values, scale_O in zip(weights[::2], weights[1::2])]
 
     def kernel(x_MI, *weights):
         return int8_kernel.int8_matmuls(x_MI, list(zip(weights[::2], weights[1::2])))
 
-    args = (x_MI, *(a for w in ws for a in (w.values_PIJ, w.scale_O)))
+    args = (x_MI, *(a for w in ws for a in (w.values, w.scale_O)))
     return kernels.dispatch(int8_kernel.use_kernel(), kernel, xla, *args)
 
 

@@ -91,8 +91,9 @@ def unstack_layers(params: Params) -> Params:
 
     `gpt_jax.model.transformer` runs the layers as an unrolled Python loop over such params.
     Inference programs do this once (inside `decode_layout`), outside their decode loop:
-    slicing a layer out of the stack inside the loop (what `lax.scan` over stacked weights does) copies that layer's weights
-    on every step, which doubles the memory traffic of a memory-bound decode step.
+    slicing a layer out of the stack inside the loop (what `lax.scan` over stacked weights
+    does) copies that layer's weights on every step, which doubles the memory traffic of a
+    memory-bound decode step.
     """
     blocks = params["blocks"]
     if isinstance(blocks, tuple):

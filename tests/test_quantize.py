@@ -62,9 +62,9 @@ def _matrix(O, I, seed=0):
 def test_each_weight_is_within_half_a_step_of_its_channel():
     w = _matrix(29, 37)
     q = Int8Weight.quantize(jnp.asarray(w))
-    assert q.values_PIJ.dtype == jnp.int8 and q.values_PIJ.shape == (2, 37, 16)
+    assert q.values.dtype == jnp.int8 and q.values.shape == (2, 37, 16)
     assert q.scale_O.dtype == jnp.float32 and q.shape == (29, 37)
-    values = np.asarray(q.values_PIJ)
+    values = np.asarray(q.values)
     assert np.abs(values).max() == 127 and (values[-1, :, 13:] == 0).all()
     scale = np.asarray(q.scale_O)
     assert scale[1] == 0 and np.allclose(scale, np.abs(w).max(1) / 127)
@@ -95,9 +95,9 @@ def test_kernel_equals_xla_and_both_stay_within_the_rounding_bound(M, I, O, monk
     assert int8_kernel.available(), "the CPU int8 kernel did not build"
     x = np.random.default_rng(M).normal(size=(M, I)).astype(np.float32)
     w, q = _quantized(O, I)
-    kernel = jax.jit(int8_kernel.int8_matmul)(x, q.values_PIJ, q.scale_O)
+    kernel = jax.jit(int8_kernel.int8_matmul)(x, q.values, q.scale_O)
     vmapped = jax.jit(jax.vmap(int8_kernel.int8_matmul, in_axes=(0, None, None)))(
-        x[:, None], q.values_PIJ, q.scale_O)[:, 0]  # one call for the batch of M rows
+        x[:, None], q.values, q.scale_O)[:, 0]  # one call for the batch of M rows
     monkeypatch.setattr(int8_kernel, "available", lambda: False)
     xla = jax.jit(lambda x, q: int8_matmul(x, q))(x, q)  # a fresh function: traced anew
     # Float rounding: a float32 sum of I products is off by at most ~I ulps of the sum of

@@ -43,7 +43,7 @@ def use_kernel() -> bool:
     return not kernels.in_portable() and available()
 
 
-def int8_matmul(x_MI: jax.Array, values_PIJ: jax.Array, scale_O: jax.Array) -> jax.Array:
+def int8_matmul(x_MI: jax.Array, values: jax.Array, scale_O: jax.Array) -> jax.Array:
     """`x @ w^T` for the int8 weight `w[o, i] = values[o // 16, i, o % 16] * scale[o]` on CPU:
     float32 `[M, I]` by int8 panels `[ceil(O / 16), I, 16]` (`gpt_jax.layers.Int8Weight`) with a
     float32 scale per output channel `[O]` -> float32 `[M, O]`. Call only when `available()`.
@@ -55,11 +55,11 @@ def int8_matmul(x_MI: jax.Array, values_PIJ: jax.Array, scale_O: jax.Array) -> j
     the batch in one call. Batching over the weights themselves is not supported (the
     kernel fails with "must be shared by all rows").
     """
-    return int8_matmuls(x_MI, [(values_PIJ, scale_O)])[0]
+    return int8_matmuls(x_MI, [(values, scale_O)])[0]
 
 
 def int8_matmuls(x_MI: jax.Array, weights) -> list[jax.Array]:
-    """`int8_matmul` of one input by several weights (`[(values_PIJ, scale_O), ...]`) in one
+    """`int8_matmul` of one input by several weights (`[(values, scale_O), ...]`) in one
     kernel call, whose threads share the panels of all of them: `[M, O_k]` per weight.
     (A layer's q, k and v projections: 3 calls made 1, fewer waits for the slower thread.)
     """

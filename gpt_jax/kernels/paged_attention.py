@@ -57,7 +57,7 @@ def use_kernel() -> bool:
 
 
 def paged_decode_attention(q_KGH: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                           page_table_M: jax.Array, length) -> tuple[jax.Array, jax.Array]:
+                           page_table: jax.Array, length) -> tuple[jax.Array, jax.Array]:
     """Attention of G queries per kv head over slots [0, length) of one row's pages, on CPU.
     Call only when `available()`.
 
@@ -65,7 +65,7 @@ def paged_decode_attention(q_KGH: jax.Array, k_pool: jax.Array, v_pool: jax.Arra
       q_KGH: queries, `[K, G, H]` (any float dtype; computed in float32).
       k_pool, v_pool: `[num_pages, K, P, H]` page pools shared by all rows (`gpt_jax.cache`),
         float32 or bfloat16.
-      page_table_M: int32 `[M]`, the row's pages in order (a negative entry ends the row).
+      page_table: int32 `[max_pages]`, the row's pages in order (a negative entry ends the row).
       length: int scalar, slots to attend; 0 gives zeros, past the row's pages all of them.
     Returns:
       `(out_KGH, lse_KG)`, float32: softmax(q k^T / sqrt(H)) v with a float32 softmax, and
@@ -79,4 +79,4 @@ def paged_decode_attention(q_KGH: jax.Array, k_pool: jax.Array, v_pool: jax.Arra
                                      jax.ShapeDtypeStruct((K, G), jnp.float32)),
                             vmap_method="expand_dims")
     return call(q_KGH.astype(jnp.float32), jnp.asarray(length, jnp.int32),
-                jnp.asarray(page_table_M, jnp.int32), k_pool, v_pool)
+                jnp.asarray(page_table, jnp.int32), k_pool, v_pool)
