@@ -3,7 +3,8 @@ attention of new tokens over a sequence's pages of the KV cache (online softmax 
 of pages), and the one backend choice each makes (`gpt_jax.kernels.dispatch`: a CPU kernel
 on CPU where it is built, XLA's path elsewhere). Scaled dot-product attention (Vaswani et
 al. 2017) with grouped kv heads (Ainslie et al. 2023): query head n reads kv head
-n // G, G = N // K. Shape letters as in `gpt_jax.model`; `G` query heads per kv head.
+n // G. Shape letters as in `gpt_jax.model`, and two of this file's: G = N // K query heads
+per kv head, Q = T * G queries of one kv head (the decode kernel's rows).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ fewer than query heads (grouped-query attention, Ainslie et al. 2023).
 Shape alphabet, used in einsum strings and variable suffixes everywhere in this project:
   B batch, T query length, S cache/key length, D d_model, N query heads, K kv heads,
   H head dim, V vocab, L layers, P page size.
-Other axes are named in words where they appear (`gpt_jax.layers`: a product's rows M,
-inputs I, outputs O; `gpt_jax.attention`: G query heads per kv head).
+A few letters belong to one file, declared there (`gpt_jax.layers`: a matrix product's rows
+M, inputs I, outputs O, the MLP width F; `gpt_jax.attention`: G query heads per kv head);
+other axes are named in words (`max_pages`, `n_blocks`).
 
 The layers are `gpt_jax.layers`, the attention cores `gpt_jax.attention`; this file chooses
 the attention of each forward and runs `block` with it:
