@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax import GPTConfig, forward, init_params
-from gpt_jax.model import decode_layout, forward_last
+from gpt_jax.model import forward_last
+from gpt_jax.params import decode_layout
 from inference import Engine, SamplingParams, generate
 from inference.steps import init_cache_rows, prefill, run_decode
 

@@ -12,7 +12,7 @@ and `Engine` hold them), float32, greedy, no EOS: every row generates --new-toke
 64-token context; gpt2: --new-tokens after --prompt-len). Each configuration runs
   generate         `inference.generate` (what this process runs: the CPU kernel decodes);
   generate, XLA    the same `inference.generation.generation` program, jitted fresh and traced
-                   inside `cpu_attention.portable()`: the portable attention, weights passed
+                   inside `gpt_jax.kernels.portable()`: the portable attention, weights passed
                    as arguments (isolates the attention path from the export);
   exported         `export_generate`'s program, serialized and deserialized as a loader
                    does, called with `Exported.call` (weights inside as constants);
@@ -37,8 +37,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gpt_jax import GPTConfig, cpu_attention, init_params
-from gpt_jax.model import decode_layout
+from gpt_jax import GPTConfig, init_params, kernels
+from gpt_jax.params import decode_layout
 from inference import SamplingParams, generate, generation
 from inference.steps import cached_model
 from inference.export import export_generate
@@ -60,7 +60,7 @@ xla_program = jax.jit(functools.wraps(generation.generation)(
 def xla_generate(params, config, prompts, sampling):
     """`generate` with XLA's portable attention (same packing, program and unpacking)."""
     batch = generation.pack(config, *generation.validate(config, prompts, sampling))
-    with cpu_attention.portable():
+    with kernels.portable():
         state = xla_program(params, config, batch.tokens_PT, batch.lengths_P, batch.source_B,
                             batch.rows, batch.stops, capacity=batch.capacity,
                             n_steps=batch.n_steps, n_top=batch.n_top,

@@ -9,9 +9,9 @@ and .png):
   python benchmarks/int8_matmul.py --rows 1 8 --rounds 9
 
 Each timed call multiplies one input by the three matrix shapes of a GPT-2 block (768 x
-2304, 768 x 3072, 3072 x 768; int8 per-channel weights from `gpt_jax.model.Int8Weight`),
-the paths in turn, best of `--rounds`: `kernel` (`gpt_jax.cpu_int8`), `xla` (XLA's path of
-`gpt_jax.model.int8_matmul`: widen the int8 values, dot, scale) and `float32` (the float
+2304, 768 x 3072, 3072 x 768; int8 per-channel weights from `gpt_jax.layers.Int8Weight`),
+the paths in turn, best of `--rounds`: `kernel` (`gpt_jax.kernels.int8_matmul`), `xla` (XLA's path of
+`gpt_jax.layers.int8_matmul`: widen the int8 values, dot, scale) and `float32` (the float
 weights, XLA's dot).
 """
 
@@ -30,16 +30,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed import save  # noqa: E402
 
-from gpt_jax import cpu_int8  # noqa: E402
-from gpt_jax.model import Int8Weight  # noqa: E402
+from gpt_jax.kernels import int8_matmul as int8_kernel  # noqa: E402
+from gpt_jax.layers import Int8Weight  # noqa: E402
 
 SHAPES = ((768, 2304), (768, 3072), (3072, 768))  # (I, O) of a GPT-2 block's matrices
 
 
 def xla_path(x_MI, w: Int8Weight):
-    """`gpt_jax.model.int8_matmul`'s XLA path (what GPUs and TPUs run)."""
+    """`gpt_jax.layers.int8_matmul`'s XLA path (what GPUs and TPUs run)."""
     O, I = w.shape
-    q_OI = jnp.einsum("PIJ->PJI", w.values_PIJ).reshape(-1, I)[:O]
+    q_OI = jnp.swapaxes(w.values, 1, 2).reshape(-1, I)[:O]
     return (x_MI @ q_OI.astype(jnp.float32).T) * w.scale_O[None]
 
 
@@ -66,13 +66,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 64, 256, 1024])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
-    if not cpu_int8.available():
+    if not int8_kernel.available():
         raise SystemExit("the CPU int8 kernel is not available (see the warning above)")
     rng = np.random.default_rng(0)
     floats = [jnp.asarray(0.02 * rng.standard_normal((O, I), np.float32)) for I, O in SHAPES]
     quantized = [jax.jit(Int8Weight.quantize)(w) for w in floats]
     paths = {
-        "kernel": (jax.jit(lambda xs, ws: [cpu_int8.int8_matmul(x, w.values_PIJ, w.scale_O)
+        "kernel": (jax.jit(lambda xs, ws: [int8_kernel.int8_matmul(x, w.values, w.scale_O)
                                            for x, w in zip(xs, ws)]), quantized),
         "xla": (jax.jit(lambda xs, ws: [xla_path(x, w) for x, w in zip(xs, ws)]), quantized),
         "float32": (jax.jit(lambda xs, ws: [x @ w.T for x, w in zip(xs, ws)]), floats),

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed import RESULTS, decode_runner, machine, preset, timed  # noqa: E402
 
 from gpt_jax import init_params  # noqa: E402
-from gpt_jax.model import decode_layout  # noqa: E402
+from gpt_jax.params import decode_layout  # noqa: E402
 from gpt_jax.params import QUANTIZE, quantize  # noqa: E402
 
 NESTING = ("while", "cond", "call")  # containers: their ops are counted themselves

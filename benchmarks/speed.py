@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax import GPTConfig, init_params
-from gpt_jax.model import decode_layout
-from gpt_jax.params import QUANTIZE, is_quantized, quantize
+from gpt_jax.params import QUANTIZE, decode_layout, is_quantized, quantize
 from inference import SamplingParams, compile_counts, generate
 from inference.steps import cached_model, init_cache_rows
 from inference.naive import naive_model

@@ -102,7 +102,7 @@ def cache_bytes(config: GPTConfig, num_pages: int, page_size: int, dtype=jnp.flo
             * itemsize)
 
 
-def write_targets(page_table_BM: jax.Array, lengths_B: jax.Array, n_valid_B: jax.Array,
+def write_targets(page_table: jax.Array, lengths_B: jax.Array, n_valid_B: jax.Array,
                   n_new: int, num_pages: int, page_size: int):
     """Where the `n_new` new tokens of each slot go: `(page_BT, offset_BT, ok_B)`.
 
@@ -111,12 +111,12 @@ def write_targets(page_table_BM: jax.Array, lengths_B: jax.Array, n_valid_B: jax
     table, or a NO_PAGE entry); such a slot's targets, and every padding token's, are
     `num_pages` (out of range: a `mode="drop"` scatter stores nothing there).
     """
-    max_pages = page_table_BM.shape[1]
+    max_pages = page_table.shape[1]
     position_BT = lengths_B[:, None] + jnp.arange(n_new)[None, :]
     valid_BT = jnp.arange(n_new)[None, :] < n_valid_B[:, None]
     index_BT = position_BT // page_size
     in_table_BT = (index_BT >= 0) & (index_BT < max_pages)
-    page_BT = jnp.take_along_axis(page_table_BM, jnp.clip(index_BT, 0, max_pages - 1), axis=1)
+    page_BT = jnp.take_along_axis(page_table, jnp.clip(index_BT, 0, max_pages - 1), axis=1)
     fits_BT = in_table_BT & (page_BT >= 0) & (page_BT < num_pages)
     ok_B = (fits_BT | ~valid_BT).all(-1)
     store_BT = valid_BT & ok_B[:, None]

@@ -28,7 +28,7 @@ import numpy as np
 
 from gpt_jax.checkpoint import write_atomic
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params
+from gpt_jax.params import Params
 from gpt_jax.tokenizer import BPETokenizer
 
 SAFETENSORS = "model.safetensors"

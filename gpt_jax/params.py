@@ -1,9 +1,10 @@
-"""Parameter initialisation, counting, shape checks and the inference layouts.
+"""Parameter initialisation, counting, shape checks and the layouts.
 
 Parameters are a nested dict of arrays; the per-layer weights under "blocks" are stacked
-along a leading L axis so the layers run as one `lax.scan`. Inference runs them in
-`gpt_jax.model.decode_layout`, or quantized to int8 (`quantize`); `inference_params` makes
-either once, for `inference.LLM` and `inference.Engine`.
+along a leading L axis so the layers run as one `lax.scan` (training). Inference runs them in
+`decode_layout` (layers unstacked, block matrices `OutputMajor`), or quantized to int8
+(`quantize`: `Int8Weight`s); `inference_params` makes either once, for `inference.LLM` and
+`inference.Engine`. The model takes every layout (`gpt_jax.layers.as_weight`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Int8Weight, OutputMajor, Params, decode_layout
+from gpt_jax.layers import Int8Weight, OutputMajor, Weight
 
 QUANTIZE = ("int8",)  # the weight quantizations `quantize` offers (None: none)
+
+Params = dict  # nested dict of arrays; layer weights are stacked along a leading L axis
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype"))
@@ -82,11 +85,50 @@ def param_count(params: Params) -> int:
     return sum(x.size for x in jax.tree_util.tree_leaves(params))
 
 
+def unstack_layers(params: Params) -> Params:
+    """`params` with "blocks" as a tuple of L per-layer dicts instead of arrays stacked on L
+    (already so, params come back unchanged).
+
+    `gpt_jax.model.transformer` runs the layers as an unrolled Python loop over such params.
+    Inference programs do this once (inside `decode_layout`), outside their decode loop:
+    slicing a layer out of the stack inside the loop (what `lax.scan` over stacked weights
+    does) copies that layer's weights on every step, which doubles the memory traffic of a
+    memory-bound decode step.
+    """
+    blocks = params["blocks"]
+    if isinstance(blocks, tuple):
+        return params
+    n_layers = jax.tree.leaves(blocks)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(n_layers))
+    return {**params, "blocks": layers}
+
+
+def decode_layout(params: Params) -> Params:
+    """`params` as the inference programs run them: layers unstacked (`unstack_layers`) and
+    every block matrix `OutputMajor`, `[O, I]` (w_q, w_k, w_v `[N*H, D]`, w_o `[D, N*H]`,
+    w_in `[F, D]`, w_out `[D, F]`). Already in this layout, params come back unchanged.
+    A copy of every block weight: call it once, outside any decode loop."""
+    if isinstance(params["blocks"], tuple) and isinstance(
+            params["blocks"][0]["mlp"]["w_in"], Weight):
+        return params
+
+    def layer(p):
+        attn, mlp = p["attn"], p["mlp"]
+        D = attn["w_q"].shape[0]
+        heads = {name: OutputMajor(attn[name].reshape(D, -1).T) for name in ("w_q", "w_k", "w_v")}
+        return {**p,
+                "attn": {**attn, **heads, "w_o": OutputMajor(attn["w_o"].reshape(-1, D).T)},
+                "mlp": {**mlp, "w_in": OutputMajor(mlp["w_in"].T),
+                        "w_out": OutputMajor(mlp["w_out"].T)}}
+
+    return {**params, "blocks": tuple(layer(p) for p in unstack_layers(params)["blocks"])}
+
+
 def quantize(params: Params, method: str | None) -> Params:
     """`params` (either layout) with every weight matrix quantized, for inference.
 
     "int8": weight-only int8 with one float32 scale per output channel (symmetric absmax;
-    `gpt_jax.model.Int8Weight`, which cites the scheme): the block matrices, the token
+    `gpt_jax.layers.Int8Weight`, which cites the scheme): the block matrices, the token
     embedding (which is also the tied output projection, a scale per vocabulary row) and the
     position embedding; LayerNorm scales and biases and every bias stay float32, and the
     model computes in float32 (activations, KV cache, logits as before). Quantized params

@@ -31,7 +31,7 @@ attention runs here, the CPU kernel there); the prompt's hash that keys a row's 
 computed in the graph (`inference.sampling.prompt_hashes`). Another batch or prompt length
 is another export: shapes are fixed, and a call with others fails with jax's shape error.
 
-The attention is XLA's portable path (`gpt_jax.cpu_attention.portable`): the CPU kernel is a
+The attention is XLA's portable path (`gpt_jax.kernels.portable`): the CPU kernel is a
 custom call registered only in a process that imported gpt_jax.
 """
 
@@ -48,10 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt_jax import checkpoint, cpu_attention
+from gpt_jax import checkpoint, kernels
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import decode_layout
-from gpt_jax.params import check_params, param_count
+from gpt_jax.params import check_params, decode_layout, param_count
 from inference import stopping
 from inference.generation import generation
 from inference.load import add_model_args, load_config, load_model
@@ -158,7 +157,7 @@ def export_generate(params, config: GPTConfig, *, batch: int, prompt_len: int,
                     platforms=None, cache_dtype=jnp.float32) -> jax.export.Exported:
     """Export the generation program for `batch` prompts of `prompt_len` tokens and
     `max_new_tokens` new tokens, lowered for each of `platforms` (default: this process's
-    backend), XLA's attention path traced (`cpu_attention.portable`).
+    backend), XLA's attention path traced (`gpt_jax.kernels.portable`).
 
     Returns:
       a `jax.export.Exported`; `.serialize()` gives the file's bytes, `.call(...)` runs it
@@ -173,7 +172,7 @@ def export_generate(params, config: GPTConfig, *, batch: int, prompt_len: int,
     fn = generation_fn(params, config, batch=batch, max_new_tokens=max_new_tokens,
                        eos_token_id=eos_token_id, cache_dtype=cache_dtype)
     # A fresh jit of a fresh function: traced now, inside portable(), never a cached trace.
-    with cpu_attention.portable():
+    with kernels.portable():
         return jax.export.export(jax.jit(fn), platforms=platforms)(
             *input_specs(batch, prompt_len))
 
@@ -204,7 +203,7 @@ def describe(exported: jax.export.Exported, config: GPTConfig, *, program: str,
         "platforms": list(exported.platforms),
         "jax_version": jax.__version__,
         "calling_convention_version": exported.calling_convention_version,
-        "attention": "XLA's portable path (gpt_jax.cpu_attention.portable), not the CPU kernel",
+        "attention": "XLA's portable path (gpt_jax.kernels.portable), not the CPU kernel",
         "seeds": "a row's key: fold_in(fold_in(fold_in(key(seed), prompt_hash), 0), step), "
                  "prompt_hash computed in the graph as inference.sampling.prompt_hashes: "
                  "the same tokens as inference.generate for the same request",

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params
+from gpt_jax.params import Params
 from gpt_jax.params import check_params
 from inference import stopping
 from inference.decode import (CHUNK, DecodeState, decode_loop, init_state, prompt_seen,
@@ -278,7 +278,7 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
     """Generate from a batch of token-id prompts with a KV cache, in one compiled program.
 
     Args:
-      params: weights in either layout (stacked, `gpt_jax.model.decode_layout`), or int8
+      params: weights in either layout (stacked, `gpt_jax.params.decode_layout`), or int8
         (`gpt_jax.params.quantize(params, "int8")`). Stacked ones are laid out inside the
         program on every call (a copy of every weight: gpt2 batch 1, 64 new tokens, 1.24x
         the tokens/s laid out once beforehand): to call it repeatedly, lay them out once

@@ -81,7 +81,7 @@ class LLM:
     projection included, LayerNorm and biases float32), a quarter of float32's weight bytes
     per decode step; activations and logits stay float32, and `dtype` is then the KV
     cache's alone.
-    `params` are kept in the decode layout (`gpt_jax.model.decode_layout`) or quantized,
+    `params` are kept in the decode layout (`gpt_jax.params.decode_layout`) or quantized,
     made once here (`gpt_jax.params.inference_params`).
 
     Raises:

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from gpt_jax import cache as kv
 from gpt_jax.cache import CACHE_ROW_AXES, PagedKVCache
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import Params, decode_layout, forward_last, lm_head, transformer
+from gpt_jax.model import forward_last, lm_head, transformer
+from gpt_jax.params import Params, decode_layout
 
 PAGE_SIZE = 16  # token slots per KV page, unless a caller chooses another
 

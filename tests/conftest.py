@@ -117,12 +117,12 @@ def decode_attention(request, monkeypatch):
     XLA's (what GPUs and TPUs run). The choice is made when a program is traced, so tests
     with this fixture jit fresh functions (jit caches are shared between `jax.jit` wrappers
     of one function)."""
-    from gpt_jax import cpu_attention
+    from gpt_jax.kernels import paged_attention
 
     if request.param == "xla":
-        monkeypatch.setattr(cpu_attention, "available", lambda: False)
+        monkeypatch.setattr(paged_attention, "available", lambda: False)
     else:
-        assert cpu_attention.available(), "the CPU attention kernel did not build"
+        assert paged_attention.available(), "the CPU attention kernel did not build"
     return request.param
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import assert_close
-from gpt_jax import GPTConfig, forward, init_cache, init_params, model
+from gpt_jax import GPTConfig, attention, forward, init_cache, init_params, layers, model
 from gpt_jax.cache import CACHE_ROW_AXES, NO_PAGE
-from gpt_jax.model import attend, attend_paged
+from gpt_jax.attention import attend, attend_paged
 
 S, N, H, P = 21, 4, 8, 4  # S is not a multiple of the page: the last page is partly used
 NUM_PAGES = 16
@@ -84,7 +84,7 @@ def test_pages_past_the_bound_are_never_read(decode_attention):
 
 def test_long_prefill_is_blockwise_and_equals_full_attention(monkeypatch):
     """A 40-token prefill in blocks of 8 keys equals one full [T, S] softmax."""
-    monkeypatch.setattr(model, "ATTENTION_BLOCK", 8)
+    monkeypatch.setattr(attention, "ATTENTION_BLOCK", 8)
     T, K = 40, 2
     rng = np.random.default_rng(3)
     q = rng.normal(size=(T, N, H)).astype(np.float32)
@@ -99,7 +99,7 @@ def test_forward_gradients_equal_blockwise_path_gradients(monkeypatch):
     """Training differentiates `forward` (plain masked attention); the cached path runs the same
     math in several key blocks with an online softmax. Their gradients agree, so either could
     train the model."""
-    monkeypatch.setattr(model, "ATTENTION_BLOCK", 4)
+    monkeypatch.setattr(attention, "ATTENTION_BLOCK", 4)
     config = GPTConfig(vocab_size=16, max_seq_len=16, n_layers=2, n_heads=4, n_kv_heads=2,
                        d_model=16)
     params = init_params(config, jax.random.key(0))
@@ -133,7 +133,7 @@ def test_linear_gradient_equals_autodiff():
     def loss(f):
         return lambda x, w, b: (jnp.tanh(f(x, w, b)) * probe).sum()
 
-    got = jax.grad(loss(model.linear), argnums=(0, 1, 2))(x, w, b)
+    got = jax.grad(loss(layers.linear), argnums=(0, 1, 2))(x, w, b)
     want = jax.grad(loss(lambda x, w, b: x @ w + b[None, None]), argnums=(0, 1, 2))(x, w, b)
     for name, g, e in zip("xwb", got, want):
         assert_close(g, e, 1e-5, f"d loss / d {name}")

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import assert_close, assert_lively
 from gpt_jax import GPTConfig, cache as kv, forward
-from gpt_jax.model import attend
+from gpt_jax.attention import attend
 from inference import SamplingParams, compile_counts, decode_step, generate, init_cache, prefill
 from inference.generation import validate
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import TEST_XLA_FLAGS
-from gpt_jax import CharTokenizer, GPTConfig, checkpoint, cpu_attention, init_params
+from gpt_jax import CharTokenizer, GPTConfig, checkpoint, init_params
+from gpt_jax.kernels import paged_attention
 from gpt_jax import cli as gpt_jax_cli
 from inference import SamplingParams, export, generate
 
@@ -145,7 +146,7 @@ def job(folder: Path, name: str, config, shape, out: Path) -> str:
 def exported(tmp_path_factory):
     """Export both models and hand each to the loader as soon as it is written; compute
     `generate`'s tokens while the loader compiles. Returns what the tests look at."""
-    assert cpu_attention.available(), "the kernel must be there for the export to avoid it"
+    assert paged_attention.available(), "the kernel must be there for the export to avoid it"
     folder = tmp_path_factory.mktemp("export")
     (folder / "loader.py").write_text(LOADER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -268,7 +269,7 @@ def test_the_program_never_calls_the_cpu_kernel(exported, config):
     """Exported inside `portable()` the attention is XLA's; traced without it, jax refuses to
     export the kernel's custom call (no file that only this process could run)."""
     program = exported["gpt2_program"]
-    assert cpu_attention.TARGET.encode() not in program.mlir_module_serialized
+    assert paged_attention.TARGET.encode() not in program.mlir_module_serialized
     fn = export.generation_fn(quick_params(config), config, batch=2, max_new_tokens=8)
     with pytest.raises(ValueError, match="gpt_jax_paged_decode_attention"):
         jax.export.export(jax.jit(fn))(*export.input_specs(2, 8))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_lively
-from gpt_jax import model
+from gpt_jax import attention
 from inference import SamplingParams, compile_counts, generate, naive_generate
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
@@ -26,7 +26,7 @@ def test_paged_decode_loop_equals_naive_across_many_pages(config, params, monkey
     each, every row reading the pages below the longest row's length. A config of its own
     (max_seq_len 96) keeps programs traced with 128-slot pages from being reused here, and
     these from reaching other tests."""
-    monkeypatch.setattr(model, "ATTENTION_BLOCK", 4)
+    monkeypatch.setattr(attention, "ATTENTION_BLOCK", 4)
     config = dataclasses.replace(config, max_seq_len=96)
     params = {**params, "wpe": params["wpe"][:96]}
     rng = np.random.default_rng(3)
@@ -92,7 +92,7 @@ def test_non_integer_prompt_token_raises(config, params):
 
 
 def test_params_that_do_not_match_the_config_are_refused_before_compiling(config, params):
-    from gpt_jax.model import decode_layout
+    from gpt_jax.params import decode_layout
     from gpt_jax.params import check_params
     from inference.llm import LLM
 

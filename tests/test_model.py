@@ -5,7 +5,9 @@ import pytest
 
 from conftest import assert_close
 from gpt_jax import GPTConfig, forward, init_params
-from gpt_jax.model import OutputMajor, attend, decode_layout, layer_norm
+from gpt_jax.attention import attend
+from gpt_jax.layers import OutputMajor, layer_norm
+from gpt_jax.params import decode_layout
 from inference import decode_step, init_cache, prefill
 
 

@@ -24,8 +24,8 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import forward, unstack_layers
-from gpt_jax.params import init_params
+from gpt_jax.model import forward
+from gpt_jax.params import init_params, unstack_layers
 from training import data, distributed, sharding
 from training.config import TrainConfig
 
@@ -168,7 +168,7 @@ def mean_over_devices(mean_grads, mesh):
     float32 array (one `lax.pmean`). Params must be replicated.
 
     The shard_map skips JAX's check that values replicated on entry stay so (`check_vma`):
-    `gpt_jax.model._matmul`'s hand-written backward gives each device its own weight
+    `gpt_jax.layers._matmul`'s hand-written backward gives each device its own weight
     gradients, which that check refuses for replicated weights, and they are averaged over
     the devices right after."""
     def local(params, x_ABT, y_ABT):

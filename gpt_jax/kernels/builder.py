@@ -1,22 +1,20 @@
 """Build, cache and register the native CPU kernels (XLA FFI custom calls), shared by
-`gpt_jax.cpu_attention` (paged decode attention), `gpt_jax.cpu_causal_attention` (the
-training path's attention, forward and backward) and `gpt_jax.cpu_int8` (int8 matmul).
+`gpt_jax.kernels.paged_attention` (paged decode attention), `gpt_jax.kernels.causal_attention`
+(the training path's attention, forward and backward) and `gpt_jax.kernels.int8_matmul`.
 
 Each kernel is one C++ source beside this file, which may include the shared header
-`cpu_kernels.h` (the thread-pool loop and vector helpers). It is compiled on first use
+`common.h` (the thread-pool loop and vector helpers). It is compiled on first use
 (seconds on an idle 2-core machine) with the C++ compiler (`$CXX`, default `g++`) against
 the FFI headers jaxlib ships (`jax.ffi.include_dir()`), and cached under `$XDG_CACHE_HOME/
 gpt-jax` (default `~/.cache/gpt-jax`) per source and header text, jaxlib version, compiler
 (command and `--version`) and CPU. Builds are serialized by a lock file and bounded in time
 (`build`). If a kernel cannot be built, a warning says why and the caller's XLA path runs;
-`GPT_JAX_CPU_KERNEL=0` turns every kernel off, and programs traced inside `with portable():`
-call none (a program that leaves this process cannot call a kernel registered in it).
+`GPT_JAX_CPU_KERNEL=0` turns every kernel off, and programs traced inside
+`gpt_jax.kernels.portable()` call none.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import ctypes
 import hashlib
 import os
@@ -32,33 +30,11 @@ import jax
 import jaxlib
 
 SWITCH = "GPT_JAX_CPU_KERNEL"  # "0": never build or use a kernel
-HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by every kernel source
+HEADER = Path(__file__).with_name("common.h")  # included by every kernel source
 # -march=native: built on the machine that runs it (the CPU is part of the cache key);
 # -fopenmp-simd: vectorise the dot-product reductions without -ffast-math.
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300.0  # most seconds a build (or waiting for another's) may take
-_PORTABLE = contextvars.ContextVar("gpt_jax_portable", default=False)
-
-
-@contextlib.contextmanager
-def portable():
-    """Within this context (this thread or task), programs traced take XLA's paths, which
-    every platform and every process can run, instead of this process's CPU kernels
-    (`in_portable()` is True; each kernel's `use_kernel()` says False).
-
-    jit caches a traced program by its function and arguments, not by this switch: trace a
-    fresh function inside it (as `inference.export` does), or an already traced one comes
-    back with whichever path it was traced with."""
-    token = _PORTABLE.set(True)
-    try:
-        yield
-    finally:
-        _PORTABLE.reset(token)
-
-
-def in_portable() -> bool:
-    """Whether a `portable()` context is active here."""
-    return _PORTABLE.get()
 
 
 def _cpu_id() -> str:

@@ -1,6 +1,6 @@
 """Causal self-attention over whole sequences, forward and backward, as CPU kernels
-(`cpu_causal_attention.cc`, XLA FFI custom calls): the training path's attention, used by
-`gpt_jax.model.causal_self_attention` when the program runs on CPU.
+(`causal_attention.cc`, XLA FFI custom calls): the training path's attention, used by
+`gpt_jax.attention.attend_causal` when the program runs on CPU.
 
 Why: XLA:CPU runs causal attention as ~35 small ops per layer (forward and backward: the
 score dots, mask selects, the softmax's reductions, transposes between them), each a pass
@@ -9,9 +9,9 @@ over every head's `[T, T]` scores, and computes the masked half too. The kernels
 recompute the probabilities in the backward from the forward's log-sum-exp (FlashAttention-2,
 Dao 2023). On GPU and TPU the XLA path runs (`jax.lax.platform_dependent`).
 
-Built, cached and registered by `gpt_jax.cpu_kernels` on first use; if it cannot be built, a
-warning says why and XLA's path runs; `GPT_JAX_CPU_KERNEL=0` turns it off, as does
-`cpu_kernels.portable()`.
+Built, cached and registered by `gpt_jax.kernels.builder` on first use; if they cannot be
+built, a warning says why and XLA's path runs; `GPT_JAX_CPU_KERNEL=0` turns them off, as does
+`gpt_jax.kernels.portable()`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from gpt_jax import cpu_kernels
+from gpt_jax import kernels
+from gpt_jax.kernels import builder
 
-SOURCE = Path(__file__).with_name("cpu_causal_attention.cc")
+SOURCE = Path(__file__).with_name("causal_attention.cc")
 FORWARD, BACKWARD = "gpt_jax_causal_attention_fwd", "gpt_jax_causal_attention_bwd"
 HEAD_DIMS = (32, 64, 128)  # the head dims the kernels are compiled for
 
@@ -35,7 +36,7 @@ def available() -> bool:
     """Whether the kernels are built and registered with XLA:CPU (built on the first call).
     False, with a warning naming the cause, when they cannot be built; False without one
     when `GPT_JAX_CPU_KERNEL=0`."""
-    return cpu_kernels.register(
+    return builder.register(
         SOURCE, {FORWARD: "GptJaxCausalAttentionForward",
                  BACKWARD: "GptJaxCausalAttentionBackward"},
         "CPU causal attention kernel", "XLA's attention")
@@ -44,9 +45,9 @@ def available() -> bool:
 def use_kernel(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> bool:
     """Whether a program traced now computes this attention with the kernels on CPU: q, k
     and v float32, a head dim in `HEAD_DIMS`, the kernels `available()` and no
-    `cpu_kernels.portable()` context active."""
+    `gpt_jax.kernels.portable()` context active."""
     return (all(x.dtype == jnp.float32 for x in (q_BTNH, k_BTKH, v_BTKH))
-            and q_BTNH.shape[-1] in HEAD_DIMS and not cpu_kernels.in_portable()
+            and q_BTNH.shape[-1] in HEAD_DIMS and not kernels.in_portable()
             and available())
 
 
@@ -123,15 +124,15 @@ def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) ->
       k_BTKH, v_BTKH: float32 keys and values `[B, T, K, H]`, K dividing N (query head n
         reads kv head n // (N // K)).
     Returns:
-      float32 `[B, T, N, H]`, equal to `gpt_jax.model.attend` with a causal mask to float
+      float32 `[B, T, N, H]`, equal to `gpt_jax.attention.attend` with a causal mask to float
       rounding. The gradient is the backward kernel; past the first order (a Hessian-vector
       product) the kernels are differentiated as the same attention in XLA ops, when the
       attention is traced directly or in unrolled layers (as the training loss runs them).
       Inside a `lax.scan` that carries its input (`gpt_jax.model.forward` over stacked
       layers), JAX inlines those rules when it first differentiates the scan and then
       refuses the second derivative ("The FFI call ... cannot be differentiated"): take it
-      over `unstack_layers(params)` or with `GPT_JAX_CPU_KERNEL=0`. Under `jax.vmap` the
-      kernels run once per mapped element.
+      over `gpt_jax.params.unstack_layers(params)` or with `GPT_JAX_CPU_KERNEL=0`. Under
+      `jax.vmap` the kernels run once per mapped element.
     Raises:
       ValueError: shapes other than the above (when traced).
     """

@@ -1,4 +1,4 @@
-"""The CPU causal-attention kernels of the training path (gpt_jax/cpu_causal_attention.cc):
+"""The CPU causal-attention kernels of the training path (gpt_jax/kernels/causal_attention.cc):
 forward equals float64 attention and the backward equals XLA's autodiff of `attend`, for
 multi-head, grouped-query and multi-query heads, every compiled head dim and lengths off
 the kernels' tiles; the model's training loss and gradients are the same with them as
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import assert_close
-from gpt_jax import cpu_causal_attention, cpu_kernels, init_params, model
+from gpt_jax import attention, init_params, kernels
 from gpt_jax.config import GPTConfig
+from gpt_jax.kernels import causal_attention
 from training.step import loss_fn
 
 N = 4  # query heads
@@ -19,7 +20,7 @@ N = 4  # query heads
 
 @pytest.fixture(autouse=True)
 def _kernels_built():
-    assert cpu_causal_attention.available(), "the CPU causal attention kernel did not build"
+    assert causal_attention.available(), "the CPU causal attention kernel did not build"
 
 
 def _inputs(B, T, K, H, seed=0):
@@ -45,8 +46,8 @@ def _reference(q, k, v):
 def _assert_gradients_equal_xla(gradient, q, k, v, what):
     """`gradient(attention)(q, k, v)` -> (dq, dk, dv), jitted, with the kernels and with
     XLA's `attend` (`_attend_causal_xla`), equal to 1e-5."""
-    got = jax.jit(gradient(cpu_causal_attention.causal_attention))(q, k, v)
-    want = jax.jit(gradient(model._attend_causal_xla))(q, k, v)
+    got = jax.jit(gradient(causal_attention.causal_attention))(q, k, v)
+    want = jax.jit(gradient(attention._attend_causal_xla))(q, k, v)
     for name, g, w in zip("qkv", got, want):
         assert_close(g, w, 1e-5, f"d{name}, {what}")
 
@@ -65,7 +66,7 @@ def _weighted_sum_gradient(d_out):
 def test_kernels_equal_attention_forward_and_backward(B, T, K, H):
     q, k, v, d_out = _inputs(B, T, K, H)
     what = f"B {B}, T {T}, K {K}, H {H}"
-    out = jax.jit(cpu_causal_attention.causal_attention)(q, k, v)
+    out = jax.jit(causal_attention.causal_attention)(q, k, v)
     assert out.dtype == jnp.float32 and out.shape == q.shape
     assert_close(out, _reference(q, k, v), 2e-6, what)
     _assert_gradients_equal_xla(_weighted_sum_gradient(d_out), q, k, v, what)
@@ -73,7 +74,7 @@ def test_kernels_equal_attention_forward_and_backward(B, T, K, H):
 
 def test_vmapped_kernels_equal_each_element_alone():
     q, k, v, d_out = (x.reshape(2, 3, *x.shape[1:]) for x in _inputs(6, 16, 2, 32))
-    loss = lambda q, k, v, d: (cpu_causal_attention.causal_attention(q, k, v) * d).sum()
+    loss = lambda q, k, v, d: (causal_attention.causal_attention(q, k, v) * d).sum()
     grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v, d_out)
     for i in range(2):
         alone = jax.grad(loss, argnums=(0, 1, 2))(q[i], k[i], v[i], d_out[i])
@@ -91,9 +92,9 @@ def test_training_loss_and_gradients_are_the_same_without_the_kernels(monkeypatc
         return jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, config, x, y)
 
     hlo = jax.jit(jax.grad(loss_fn), static_argnums=1).lower(params, config, x, y).as_text()
-    assert cpu_causal_attention.FORWARD in hlo and cpu_causal_attention.BACKWARD in hlo
+    assert causal_attention.FORWARD in hlo and causal_attention.BACKWARD in hlo
     loss, grads = loss_and_grads()
-    monkeypatch.setattr(cpu_causal_attention, "use_kernel", lambda *qkv: False)
+    monkeypatch.setattr(causal_attention, "use_kernel", lambda *qkv: False)
     xla_loss, xla_grads = loss_and_grads()
     assert_close(loss, xla_loss, 1e-6, "loss")
     jax.tree_util.tree_map_with_path(
@@ -114,7 +115,7 @@ def test_second_order_gradients_equal_xla_attention():
 def test_huge_scores_stay_finite_and_exact():
     q, k, v, _ = _inputs(2, 13, 2, 32)
     k = k.at[0, 5, 0].set(1e10)  # key 5 of kv head 0 dominates every later query's softmax
-    out = jax.jit(cpu_causal_attention.causal_attention)(q, k, v)
+    out = jax.jit(causal_attention.causal_attention)(q, k, v)
     assert np.isfinite(np.asarray(out)).all()
     assert_close(out, _reference(q, k, v), 2e-6, "scores of 1e10")
     # one-hot rows: dq is exactly 0 there, not rounding x 1e10
@@ -125,14 +126,14 @@ def test_huge_scores_stay_finite_and_exact():
 def test_mixed_dtypes_take_xla_and_bad_shapes_are_refused_when_traced():
     q, k, v, _ = _inputs(1, 8, 2, 32)
     k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-    assert not cpu_causal_attention.use_kernel(q, k16, v16)
-    out = jax.jit(model.attend_causal)(q, k16, v16)
+    assert not causal_attention.use_kernel(q, k16, v16)
+    out = jax.jit(attention.attend_causal)(q, k16, v16)
     assert out.dtype == jnp.bfloat16
     assert_close(out.astype(jnp.float32), _reference(q, k16, v16), 3e-2, "bfloat16 k, v")
     with pytest.raises(ValueError, match=r"q \(1, 8, 4, 32\), k \(1, 7, 2, 32\)"):
-        jax.jit(cpu_causal_attention.causal_attention).lower(q, k[:, :7], v[:, :7])
+        jax.jit(causal_attention.causal_attention).lower(q, k[:, :7], v[:, :7])
     with pytest.raises(ValueError, match="K dividing N"):
-        jax.jit(cpu_causal_attention.causal_attention).lower(q, *_inputs(1, 8, 3, 32)[1:3])
+        jax.jit(causal_attention.causal_attention).lower(q, *_inputs(1, 8, 3, 32)[1:3])
 
 
 @pytest.mark.parametrize("case", ["portable", "bfloat16"])
@@ -140,10 +141,10 @@ def test_portable_and_bfloat16_programs_do_not_call_the_kernels(case):
     q, k, v, _ = _inputs(1, 8, 4, 32)
     if case == "bfloat16":
         q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-        hlo = jax.jit(model.attend_causal).lower(q, k, v).as_text()
+        hlo = jax.jit(attention.attend_causal).lower(q, k, v).as_text()
     else:
-        with cpu_kernels.portable():  # a fresh function: jit caches by function, not context
-            hlo = jax.jit(lambda *a: model.attend_causal(*a)).lower(q, k, v).as_text()
-    assert cpu_causal_attention.FORWARD not in hlo
-    assert cpu_causal_attention.FORWARD in jax.jit(model.attend_causal).lower(
+        with kernels.portable():  # a fresh function: jit caches by function, not context
+            hlo = jax.jit(lambda *a: attention.attend_causal(*a)).lower(q, k, v).as_text()
+    assert causal_attention.FORWARD not in hlo
+    assert causal_attention.FORWARD in jax.jit(attention.attend_causal).lower(
         *(x.astype(jnp.float32) for x in (q, k, v))).as_text()  # the float32 program does

@@ -18,7 +18,7 @@
 // and lse f32 [..., K, G], the log of the softmax denominator (log sum exp of the scores;
 // -1e30 for a row with no slot), so the caller can fold in more keys (online softmax).
 //
-// Built by gpt_jax/cpu_kernels.py on first use (gpt_jax/cpu_attention.py binds it).
+// Built by gpt_jax/kernels/build.py on first use (gpt_jax/kernels/paged_attention.py binds it).
 
 #include <algorithm>
 #include <atomic>
@@ -31,7 +31,7 @@
 #include <mutex>
 #include <vector>
 
-#include "cpu_kernels.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

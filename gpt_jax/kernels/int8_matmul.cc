@@ -1,7 +1,7 @@
 // Weight-only int8 matmul for XLA:CPU (an XLA FFI custom call):
 //   y[..., M, O] = x[..., M, I] @ (w * scale)^T,
 // float32 activations, int8 weights with one float32 scale per output channel (symmetric
-// absmax quantization; gpt_jax/model.py `Int8Weight`). XLA:CPU would first widen the whole
+// absmax quantization; gpt_jax/layers.py `Int8Weight`). XLA:CPU would first widen the whole
 // int8 matrix to a float32 copy in memory and then run its float32 dot; a few-row (decode)
 // matmul is bound by reading the weights, so this kernel reads the int8 bytes once: int8
 // weights are widened to float in a register (vpmovsxbd, vcvtdq2ps), multiplied into the
@@ -25,7 +25,7 @@
 //   scale  f32 [..., O]        as w
 // Results: per weight, y f32 [..., M, O].
 //
-// Built by gpt_jax/cpu_kernels.py on first use (gpt_jax/cpu_int8.py binds it).
+// Built by gpt_jax/kernels/build.py on first use (gpt_jax/kernels/int8_matmul.py binds it).
 
 #include <algorithm>
 #include <cstdint>
@@ -37,7 +37,7 @@
 #include <immintrin.h>
 #endif
 
-#include "cpu_kernels.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,9 +1,9 @@
-// Shared by the native CPU kernels (cpu_attention.cc, cpu_causal_attention.cc, cpu_int8.cc):
+// Shared by the native CPU kernels (paged_attention.cc, causal_attention.cc, int8_matmul.cc):
 // a parallel loop over XLA:CPU's intra-op thread pool and eight-float vector helpers. Built
-// into each kernel by gpt_jax/cpu_kernels.py (its text is part of every kernel's cache key).
+// into each kernel by gpt_jax/kernels/build.py (its text is part of every kernel's cache key).
 
-#ifndef GPT_JAX_CPU_KERNELS_H_
-#define GPT_JAX_CPU_KERNELS_H_
+#ifndef GPT_JAX_KERNELS_COMMON_H_
+#define GPT_JAX_KERNELS_COMMON_H_
 
 #include <algorithm>
 #include <atomic>
@@ -81,4 +81,4 @@ inline float sum8(f32x8 v) {
 
 }  // namespace gpt_jax_kernels
 
-#endif  // GPT_JAX_CPU_KERNELS_H_
+#endif  // GPT_JAX_KERNELS_COMMON_H_

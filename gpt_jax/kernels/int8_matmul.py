@@ -1,5 +1,5 @@
-"""Weight-only int8 matmul as a CPU kernel (`cpu_int8.cc`, an XLA FFI custom call), used by
-`gpt_jax.model.int8_matmul` for few-row (decode) products when the program runs on CPU.
+"""Weight-only int8 matmul as a CPU kernel (`int8_matmul.cc`, an XLA FFI custom call), used by
+`gpt_jax.layers.int8_matmul` for few-row (decode) products when the program runs on CPU.
 
 Why: given `x @ (w_int8 * scale)`, XLA:CPU (jax 0.10) compiles a convert fusion that writes
 the whole int8 matrix out as a float32 copy, then runs its float32 dot on that copy
@@ -8,9 +8,9 @@ weights, would read and write more bytes than float32 weights alone. The kernel 
 int8 bytes once, widening them in registers (AVX2 + FMA where the CPU has them), over XLA's
 intra-op thread pool. On GPU and TPU the XLA path runs (`jax.lax.platform_dependent`).
 
-Built, cached and registered by `gpt_jax.cpu_kernels` on first use; if it cannot be built, a
-warning says why and the XLA path runs; `GPT_JAX_CPU_KERNEL=0` turns it off, and programs
-traced inside `gpt_jax.cpu_kernels.portable()` never use it.
+Built, cached and registered by `gpt_jax.kernels.builder` on first use; if it cannot be
+built, a warning says why and the XLA path runs; `GPT_JAX_CPU_KERNEL=0` turns it off, and
+programs traced inside `gpt_jax.kernels.portable()` never use it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from gpt_jax import cpu_kernels
+from gpt_jax import kernels
+from gpt_jax.kernels import builder
 
-SOURCE = Path(__file__).with_name("cpu_int8.cc")
+SOURCE = Path(__file__).with_name("int8_matmul.cc")
 TARGET = "gpt_jax_int8_matmul"
 
 
@@ -32,19 +33,19 @@ def available() -> bool:
     """Whether the kernel is built and registered with XLA:CPU (built on the first call).
     False, with a warning naming the cause, when it cannot be built; False without one when
     `GPT_JAX_CPU_KERNEL=0`."""
-    return cpu_kernels.register(SOURCE, {TARGET: "GptJaxInt8Matmul"}, "CPU int8 matmul kernel",
-                                "XLA's dequantize-then-matmul")
+    return builder.register(SOURCE, {TARGET: "GptJaxInt8Matmul"}, "CPU int8 matmul kernel",
+                            "XLA's dequantize-then-matmul")
 
 
 def use_kernel() -> bool:
     """Whether a program traced now calls the kernel on CPU: it is `available()` and no
-    `gpt_jax.cpu_kernels.portable()` context is active."""
-    return not cpu_kernels.in_portable() and available()
+    `gpt_jax.kernels.portable()` context is active."""
+    return not kernels.in_portable() and available()
 
 
-def int8_matmul(x_MI: jax.Array, values_PIJ: jax.Array, scale_O: jax.Array) -> jax.Array:
+def int8_matmul(x_MI: jax.Array, values: jax.Array, scale_O: jax.Array) -> jax.Array:
     """`x @ w^T` for the int8 weight `w[o, i] = values[o // 16, i, o % 16] * scale[o]` on CPU:
-    float32 `[M, I]` by int8 panels `[ceil(O / 16), I, 16]` (`gpt_jax.model.Int8Weight`) with a
+    float32 `[M, I]` by int8 panels `[ceil(O / 16), I, 16]` (`gpt_jax.layers.Int8Weight`) with a
     float32 scale per output channel `[O]` -> float32 `[M, O]`. Call only when `available()`.
 
     Each output is `scale[o] * sum_i x[m, i] w[o, i]`, summed in float32 with fused
@@ -54,11 +55,11 @@ def int8_matmul(x_MI: jax.Array, values_PIJ: jax.Array, scale_O: jax.Array) -> j
     the batch in one call. Batching over the weights themselves is not supported (the
     kernel fails with "must be shared by all rows").
     """
-    return int8_matmuls(x_MI, [(values_PIJ, scale_O)])[0]
+    return int8_matmuls(x_MI, [(values, scale_O)])[0]
 
 
 def int8_matmuls(x_MI: jax.Array, weights) -> list[jax.Array]:
-    """`int8_matmul` of one input by several weights (`[(values_PIJ, scale_O), ...]`) in one
+    """`int8_matmul` of one input by several weights (`[(values, scale_O), ...]`) in one
     kernel call, whose threads share the panels of all of them: `[M, O_k]` per weight.
     (A layer's q, k and v projections: 3 calls made 1, fewer waits for the slower thread.)
     """

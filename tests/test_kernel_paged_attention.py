@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (gpt_jax/cpu_attention.cc): a vmapped batch of rows with
+"""The CPU decode-attention kernel (gpt_jax/kernels/paged_attention.cc): a vmapped batch of rows with
 their own lengths and page tables into one shared pool equals full attention row by row
 (output and log-sum-exp), it never reads a slot past a row's length nor a page outside its
 table, and a kernel that cannot be built leaves the XLA path running, with a warning."""
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close
-from gpt_jax import cpu_attention
+from gpt_jax.kernels import paged_attention
 from gpt_jax.cache import NO_PAGE
 
 N, S, PAGE = 4, 24, 4  # rows of 24 slots: six pages of 4
@@ -68,10 +68,10 @@ def _reference(q_KGH, k_KSH, v_KSH, length):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("K", [4, 2, 1])  # multi-head, grouped-query, multi-query
 def test_kernel_batch_equals_full_attention_row_by_row(K, dtype, H):
-    assert cpu_attention.available(), "the CPU attention kernel did not build"
+    assert paged_attention.available(), "the CPU attention kernel did not build"
     lengths = [0, 1, 3, 4, 5, 21, 23, 24, 25]  # none, page edges, the last slot, past it (all)
     q, (k, v), (k_pool, v_pool), table = _rows(K, lengths, dtype, H)
-    run = jax.jit(jax.vmap(cpu_attention.paged_decode_attention, in_axes=(0, None, None, 0, 0)))
+    run = jax.jit(jax.vmap(paged_attention.paged_decode_attention, in_axes=(0, None, None, 0, 0)))
     out, lse = run(jnp.asarray(q), k_pool, v_pool, table, jnp.asarray(lengths, jnp.int32))
     assert out.dtype == lse.dtype == jnp.float32 and out.shape == q.shape
     for b, length in enumerate(lengths):
@@ -90,16 +90,16 @@ def test_runs_of_heads_that_cross_rows_equal_full_attention():
     the start of the next's."""
     lengths = [0, 1, 3, 4, 5, 21, 23, 24, 25]
     q, (k, v), (k_pool, v_pool), table = _rows(8, lengths, jnp.float32, 32, heads=8)
-    run = jax.jit(jax.vmap(cpu_attention.paged_decode_attention, in_axes=(0, None, None, 0, 0)))
+    run = jax.jit(jax.vmap(paged_attention.paged_decode_attention, in_axes=(0, None, None, 0, 0)))
     out, _ = run(jnp.asarray(q), k_pool, v_pool, table, jnp.asarray(lengths, jnp.int32))
     for b, length in enumerate(lengths):
         assert_close(out[b], _reference(q[b], k[b], v[b], min(length, S))[0], 2e-6, f"row {b}")
 
 
 def test_kernel_runs_one_row_without_vmap():
-    assert cpu_attention.available()
+    assert paged_attention.available()
     q, (k, v), (k_pool, v_pool), table = _rows(2, [13], jnp.float32, 64)
-    out, _ = jax.jit(cpu_attention.paged_decode_attention)(jnp.asarray(q[0]), k_pool, v_pool,
+    out, _ = jax.jit(paged_attention.paged_decode_attention)(jnp.asarray(q[0]), k_pool, v_pool,
                                                            table[0], 13)
     assert_close(out, _reference(q[0], k[0], v[0], 13)[0], 2e-6, "one row")
 
@@ -108,12 +108,12 @@ def test_a_kernel_that_does_not_compile_warns_and_is_not_used(monkeypatch, tmp_p
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
     with pytest.warns(RuntimeWarning, match="did not compile .*`false -O3 .* exited with 1"):
-        assert cpu_attention.available.__wrapped__() is False  # uncached: build again
+        assert paged_attention.available.__wrapped__() is False  # uncached: build again
     built = [p.name for p in (tmp_path / "gpt-jax").iterdir() if p.suffix != ".lock"]
     assert built == []  # no library, whole or partial
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.warns(RuntimeWarning, match="CPU attention kernel unavailable"):
-        assert cpu_attention.available.__wrapped__() is False
+        assert paged_attention.available.__wrapped__() is False
 
 
 def test_the_kernel_can_be_switched_off(monkeypatch, tmp_path):
@@ -121,7 +121,7 @@ def test_the_kernel_can_be_switched_off(monkeypatch, tmp_path):
     monkeypatch.setenv("GPT_JAX_CPU_KERNEL", "0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert cpu_attention.available.__wrapped__() is False
+        assert paged_attention.available.__wrapped__() is False
     assert not (tmp_path / "gpt-jax").exists()  # nothing built
 
 
@@ -142,14 +142,14 @@ def test_concurrent_builds_compile_once_and_all_get_the_library(monkeypatch, tmp
     cxx, log = _logging_compiler(tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", cxx)
-    other = subprocess.Popen([sys.executable, "-c", "from gpt_jax import cpu_attention as c; "
+    other = subprocess.Popen([sys.executable, "-c", "from gpt_jax.kernels import paged_attention as c; "
                               "print(c.build())"], stdout=subprocess.PIPE, text=True,
                              env=os.environ | {"JAX_PLATFORMS": "cpu"})
     paths, errors = [], []
 
     def one():
         try:
-            paths.append(cpu_attention.build())
+            paths.append(paged_attention.build())
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -170,8 +170,8 @@ def test_a_hung_compiler_is_stopped_and_another_compiler_builds_its_own(monkeypa
     slow, _ = _logging_compiler(tmp_path, sleep=30)
     monkeypatch.setenv("CXX", slow)
     with pytest.raises(subprocess.TimeoutExpired):
-        cpu_attention.build(timeout=1)
+        paged_attention.build(timeout=1)
     assert not any(p.name.endswith((".so", ".partial")) for p in (tmp_path / "gpt-jax").iterdir())
-    assert cpu_attention.library_path([slow]) != cpu_attention.library_path(["g++"])
+    assert paged_attention.library_path([slow]) != paged_attention.library_path(["g++"])
     monkeypatch.setenv("CXX", "g++ -DGPT_JAX_OTHER")  # same compiler, other arguments
-    assert cpu_attention.library_path() != cpu_attention.library_path(["g++"])
+    assert paged_attention.library_path() != paged_attention.library_path(["g++"])

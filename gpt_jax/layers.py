@@ -1,0 +1,266 @@
+"""The layers of the model, as pure functions: linear maps, LayerNorm, the MLP and embedding
+lookups, and the weight layouts they run on.
+
+A weight matrix comes in one of three layouts, and each knows its own products and row
+lookup, so no caller branches on the type:
+  `InputMajor`   `[I, O]`, the training layout (a plain parameter array, seen as a matrix);
+  `OutputMajor`  `[O, I]`, the decode layout (`gpt_jax.params.decode_layout`);
+  `Int8Weight`   `[O, I]` as int8 with a scale per output channel (`gpt_jax.params.quantize`).
+Parameters hold plain arrays (training, checkpoints), `OutputMajor` or `Int8Weight`;
+`as_weight` is the one place a plain array is given its layout. The embedding tables `[V, D]`
+are output-major as plain arrays too: the tied output projection multiplies by their
+transpose. Shape letters as in `gpt_jax.model`; `M` rows, `I` inputs and `O` outputs of a
+matrix product, `F` the MLP's hidden width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from gpt_jax import kernels
+from gpt_jax.kernels import int8_matmul as int8_kernel
+
+
+def _lead(bias: jax.Array, x: jax.Array) -> jax.Array:
+    """`bias` with leading unit axes added, to broadcast against `x` explicitly."""
+    return bias.reshape((1,) * (x.ndim - bias.ndim) + bias.shape)
+
+
+def layer_norm(p: dict, x_TD: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis (Ba et al. 2016), computed in float32."""
+    x32 = x_TD.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * _lead(p["scale"], y) + _lead(p["bias"], y)).astype(x_TD.dtype)
+
+
+@jax.custom_vjp
+def _matmul(x_MI: jax.Array, w_IO: jax.Array) -> jax.Array:
+    return x_MI @ w_IO
+
+
+def _matmul_fwd(x_MI, w_IO):
+    # Keep the input transposed for the weight gradient, so that product reads both operands
+    # in the layout the CPU matmul kernels take. Left to autodiff, XLA:CPU transposes the
+    # incoming gradient instead, and fuses the whole residual-stream gradient chain (every
+    # later layer's LayerNorm backward) into each such transpose: measured 122 -> 93 ms per
+    # nanogpt-cpu forward+backward on 2 cores.
+    return x_MI @ w_IO, (x_MI.T, w_IO)
+
+
+def _matmul_bwd(residuals, g_MO):
+    xt_IM, w_IO = residuals
+    return g_MO @ w_IO.T, xt_IM @ g_MO
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+class Weight:
+    """A weight matrix in some layout: `matmul(x_MI) -> [M, O]`, and `linears` for several
+    products of one input (a layer's q, k and v projections)."""
+
+    @classmethod
+    def linears(cls, x_MI: jax.Array, ws: list, bs_O: list[jax.Array],
+                concatenate: bool) -> list[jax.Array]:
+        """`[x @ w + b for w, b in zip(ws, bs_O)]`, each `[M, O_k]`, for weights of this type.
+        With `concatenate`, as ONE product over the weights side by side (on CPU one wider
+        product beats three narrow ones, forward and backward: ~3% of a nanogpt-cpu train
+        step). That copies the weights per call: the training path's choice, where the rows
+        dwarf them; a decode step does not."""
+        if not concatenate:
+            return [w.matmul(x_MI) + b_O[None] for w, b_O in zip(ws, bs_O)]
+        out_MO = cls.concatenate(ws).matmul(x_MI) + jnp.concatenate(bs_O)[None]
+        return jnp.split(out_MO, np.cumsum([b_O.shape[0] for b_O in bs_O[:-1]]), axis=-1)
+
+
+@struct.dataclass
+class InputMajor(Weight):
+    """A weight matrix `[I, O]` as training keeps it. Its product's gradient is exactly
+    autodiff's (dx = g w^T, dw = x^T g); only the layout of the backward matmuls is chosen
+    by hand (see `_matmul_fwd`)."""
+
+    w_IO: jax.Array
+
+    def matmul(self, x_MI: jax.Array) -> jax.Array:
+        """`x @ w`, `[M, O]`."""
+        return _matmul(x_MI, self.w_IO)
+
+    @classmethod
+    def concatenate(cls, ws: list[InputMajor]) -> InputMajor:
+        """The weights side by side: their outputs in order."""
+        return cls(jnp.concatenate([w.w_IO for w in ws], axis=1))
+
+
+@struct.dataclass
+class OutputMajor(Weight):
+    """A weight matrix stored transposed, `[O, I]`, for the few-row matmuls of decoding.
+
+    The CPU matmul kernels (YNNPACK and Eigen alike) are tiled along the output rows: for
+    `x @ w` with 8 rows they ran at 17-26 GFLOP/s here, while `w_OI @ x^T`, the same product
+    with O as the row axis, ran at 47-52 (a 12-layer gpt2-sized MLP chain: 54 -> 18 ms at 8
+    rows, 80 -> 38 ms at 32, 18 -> 12 ms at 1; benchmarks/README.md). `decode_layout` stores
+    the block matrices this way once per compiled program; `matmul` computes `(w_OI @ x^T)^T`,
+    the barrier keeping XLA from folding the transposes back into `x @ w_OI^T`.
+
+    With many rows (a prefill of `MANY_ROWS` tokens or more per sequence) `matmul` computes
+    `x @ w_OI^T` instead: as fast at 64 rows and up to 1.9x faster at 256 (768 x 768: 91 ->
+    166 GFLOP/s), and its output needs no transpose (in a batch-32, 64-token prefill those
+    transposes took ~0.5 s of ~3.0; after: 2.6-2.9 s). A plain embedding table `[V, D]` is
+    one too (`as_weight` with `in_axes=-1`): `rows` is the lookup, `matmul` the tied output
+    projection.
+    """
+
+    w_OI: jax.Array
+    MANY_ROWS = 64  # a class constant, not a field
+
+    def matmul(self, x_MI: jax.Array, preferred_element_type=None) -> jax.Array:
+        """`x @ w^T`, `[M, O]`, in the inputs' dtype or `preferred_element_type`."""
+        if x_MI.shape[0] >= self.MANY_ROWS:
+            return jnp.matmul(x_MI, self.w_OI.T, preferred_element_type=preferred_element_type)
+        out_OM = jnp.matmul(self.w_OI, x_MI.T, preferred_element_type=preferred_element_type)
+        return jax.lax.optimization_barrier(out_OM).T
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Rows `w[ids]`, `[*ids.shape, I]` (an embedding lookup)."""
+        return self.w_OI[ids]
+
+    @classmethod
+    def concatenate(cls, ws: list[OutputMajor]) -> OutputMajor:
+        """The weights stacked: their outputs in order."""
+        return cls(jnp.concatenate([w.w_OI for w in ws], axis=0))
+
+
+@struct.dataclass
+class Int8Weight(Weight):
+    """A weight matrix `w[O, I]` stored as int8 with one float32 scale per output channel:
+    weight-only symmetric absmax quantization, per output channel (the weight half of
+    LLM.int8()'s vector-wise quantization, Dettmers et al. 2022, without its outlier
+    decomposition; per-channel symmetric int8 weights as in Wu et al. 2020, "Integer
+    Quantization for Deep Learning Inference"). `w[o, i] ~ values[o // 16, i, o % 16] *
+    scale[o]`, with `scale[o] = max_i |w[o, i]| / 127`: each weight is off by at most half a
+    step, `|error| <= scale[o] / 2`, and a quarter of the float32 bytes is read per use.
+
+    The values are in panels of sixteen output channels, `[ceil(O / 16), I, 16]` (channels
+    past O are zero): the weights of one input for a panel's channels are consecutive, which
+    is how the CPU kernel (`gpt_jax.kernels.int8_matmul`) reads memory in order.
+    `gpt_jax.params.quantize` makes them.
+    """
+
+    values: jax.Array  # int8 [ceil(O / 16), I, 16], channel o at [o // 16, :, o % 16]
+    scale_O: jax.Array  # float32 [O], the step of channel o
+    PANEL = 16  # output channels per panel (a class constant, not a field)
+
+    @classmethod
+    def quantize(cls, w_OI: jax.Array) -> Int8Weight:
+        """Round `w_OI` `[O, I]` (any float dtype) to the nearest step of its channel's scale.
+        An all-zero channel gets scale 0 and zero values."""
+        w_OI = w_OI.astype(jnp.float32)
+        O, I = w_OI.shape
+        scale_O = jnp.max(jnp.abs(w_OI), axis=1) / 127.0
+        step_O = jnp.where(scale_O > 0, scale_O, 1.0)
+        q_OI = jnp.clip(jnp.round(w_OI / step_O[:, None]), -127, 127).astype(jnp.int8)
+        n_panels = -(-O // cls.PANEL)
+        q_OI = jnp.pad(q_OI, ((0, n_panels * cls.PANEL - O), (0, 0)))
+        return cls(jnp.swapaxes(q_OI.reshape(n_panels, cls.PANEL, I), 1, 2), scale_O)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(O, I)`, the shape of the matrix it stands for."""
+        return self.scale_O.shape[0], self.values.shape[1]
+
+    def values_OI(self) -> jax.Array:
+        """The int8 values as the matrix `[O, I]` (out of their panels)."""
+        O, I = self.shape
+        return jnp.swapaxes(self.values, 1, 2).reshape(-1, I)[:O]
+
+    def dequantize(self) -> jax.Array:
+        """The float32 matrix `[O, I]` it stands for."""
+        return self.values_OI().astype(jnp.float32) * self.scale_O[:, None]
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Rows `w[ids]` in float32, `[*ids.shape, I]` (an embedding lookup)."""
+        values = self.values[ids // self.PANEL, :, ids % self.PANEL]
+        return values.astype(jnp.float32) * self.scale_O[ids][..., None]
+
+    def matmul(self, x_MI: jax.Array, preferred_element_type=None) -> jax.Array:
+        """`int8_matmul(x_MI, self)`: float32 `[M, O]` whatever `preferred_element_type`."""
+        return int8_matmul(x_MI, self)
+
+    @classmethod
+    def linears(cls, x_MI, ws, bs_O, concatenate):
+        """`Weight.linears` as one kernel call (`int8_matmuls`), whose threads share the
+        panels of all the weights: concatenated without a copy, whatever `concatenate`."""
+        return [out_MO + b_O[None] for out_MO, b_O in zip(int8_matmuls(x_MI, ws), bs_O)]
+
+
+def int8_matmul(x_MI: jax.Array, w: Int8Weight) -> jax.Array:
+    """`x @ w^T` for an `Int8Weight` `w` `[O, I]`: float32 `[M, I]` -> float32 `[M, O]`, each
+    output `scale[o] * sum_i x[m, i] values[o, i]` (the scale applied after the sum).
+
+    On CPU the C++ kernel (`gpt_jax.kernels.int8_matmul`; under vmap one call for the whole
+    batch's rows) reads the int8 bytes directly: XLA:CPU would first write a float32 copy of
+    the whole matrix (a convert fusion feeding its dot), a decode step's whole cost several
+    times over; with many rows (a prefill) the kernel also outran XLA's widen-then-dot, and
+    its float32 dot, at every row count measured (1 to 2,048 rows; benchmarks/README.md).
+    Elsewhere (GPU,
+    TPU, where the kernel cannot be built, or in a program traced within
+    `gpt_jax.kernels.portable()`) XLA widens the values and runs its dot. The two agree to
+    float rounding (tests/test_quantize.py).
+    """
+    return int8_matmuls(x_MI, [w])[0]
+
+
+def int8_matmuls(x_MI: jax.Array, ws: list[Int8Weight]) -> list[jax.Array]:
+    """`[int8_matmul(x_MI, w) for w in ws]`, on CPU as one kernel call (see `int8_matmul`)."""
+    x_MI = x_MI.astype(jnp.float32)
+
+    def xla(x_MI, *weights):  # the scale after the sum, as the kernel applies it
+        return [(x_MI @ Int8Weight(values, scale_O).values_OI().astype(jnp.float32).T)
+                * scale_O[None] for values, scale_O in zip(weights[::2], weights[1::2])]
+
+    def kernel(x_MI, *weights):
+        return int8_kernel.int8_matmuls(x_MI, list(zip(weights[::2], weights[1::2])))
+
+    args = (x_MI, *(a for w in ws for a in (w.values, w.scale_O)))
+    return kernels.dispatch(int8_kernel.use_kernel(), kernel, xla, *args)
+
+
+def as_weight(w, in_axes: int = 1) -> Weight:
+    """`w` as a `Weight`: an `OutputMajor` or `Int8Weight` as it is; a plain array as the
+    matrix whose input is its first `in_axes` axes (`InputMajor` `[I, O]`: w_q `[D, N, H]`
+    with 1, w_o `[N, H, D]` with 2), or with a negative `in_axes` its last `-in_axes` axes
+    (`OutputMajor` `[O, I]`: an embedding table `[V, D]` with -1). The one place a plain
+    array becomes a weight type."""
+    if isinstance(w, Weight):
+        return w
+    if in_axes > 0:
+        return InputMajor(w.reshape(math.prod(w.shape[:in_axes]), -1))
+    return OutputMajor(w.reshape(-1, math.prod(w.shape[in_axes:])))
+
+
+def linear(x: jax.Array, w, b_O: jax.Array) -> jax.Array:
+    """`x @ w + b` over the last axis of `x` (`[..., I]` -> `[..., O]`), as one 2-D matmul
+    by the weight's layout (`as_weight`: a plain `w` is `[I, O]`; an `Int8Weight` gives
+    float32)."""
+    lead, x_MI = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    out_MO = as_weight(w).matmul(x_MI) + b_O[None]
+    return out_MO.reshape(*lead, out_MO.shape[-1])
+
+
+def embed(table_VD, ids: jax.Array) -> jax.Array:
+    """Rows `table[ids]` of an embedding table `[V, D]` (plain or `Int8Weight`):
+    `[*ids.shape, D]` (float32 from an `Int8Weight`)."""
+    return as_weight(table_VD, in_axes=-1).rows(ids)
+
+
+def mlp(p: dict, x_TD: jax.Array) -> jax.Array:
+    """GPT-2 MLP: D -> F, GELU (tanh approximation), F -> D."""
+    h_TF = jax.nn.gelu(linear(x_TD, p["w_in"], p["b_in"]), approximate=True)
+    return linear(h_TF, p["w_out"], p["b_out"])
