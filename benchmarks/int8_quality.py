@@ -55,7 +55,8 @@ def logit_errors(logits, reference) -> dict:
 
 def run_quality(run_dir: str, prompts: int, new_tokens: int) -> dict:
     from training import data
-    from training.train import TrainConfig, load_corpus
+    from training.config import TrainConfig
+    from training.run_dir import load_corpus
 
     config, params, tokenizer = checkpoint.load_params(run_dir)
     saved = json.loads((Path(run_dir) / "train_config.json").read_text())

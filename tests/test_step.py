@@ -14,8 +14,8 @@ from gpt_jax import forward
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import init_params
 from training import sharding
-from training import train as T
 from training.config import TrainConfig
+from training.run_dir import prepare_run
 from training.step import TrainState, evaluate, loss_fn, make_optimizer, make_train_steps
 
 
@@ -122,7 +122,7 @@ def test_weight_decay_spares_biases_and_layernorm():
 def test_val_loss_per_char_uses_the_bpe_token_length(corpus, tmp_path):
     cfg = TrainConfig.preset("tiny", text=str(corpus), tokenizer="bpe", bpe_vocab_size=300,
                                run_dir=str(tmp_path / "bpe"))
-    config, tokenizer, batches = T.prepare_run(cfg)
+    config, tokenizer, batches = prepare_run(cfg)
     assert config.vocab_size == tokenizer.vocab_size == 300
     ratio = len(tokenizer.decode(batches.val)) / len(batches.val)
     assert ratio > 1.5  # words merge into multi-character tokens

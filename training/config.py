@@ -85,7 +85,7 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        """Only meaningful once block_size is resolved (see `train.prepare_run`)."""
+        """Only meaningful once block_size is resolved (see `run_dir.prepare_run`)."""
         return self.grad_accum * self.batch_size * self.block_size
 
     @classmethod

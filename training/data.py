@@ -106,7 +106,7 @@ def load_text(path: str | os.PathLike) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Batches:
-    """Everything a run draws batches from, resolved once (`training.train.prepare_run`)."""
+    """Everything a run draws batches from, resolved once (`training.run_dir.prepare_run`)."""
 
     train: np.ndarray  # int32 [n_train] token ids
     val: np.ndarray  # int32 [n_val] token ids

@@ -8,7 +8,7 @@ Usage:
   state, losses_K = train_steps(state, x_KABT, y_KABT, n)   # the first n of K steps; the
                                                              # old state's buffers are donated
 
-`training/train.py` runs these in its loop; `benchmarks/train_vs_torch.py` times them.
+`training/loop.py` runs these in its loop; `benchmarks/train_vs_torch.py` times them.
 """
 
 from __future__ import annotations
