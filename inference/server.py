@@ -36,7 +36,6 @@ import dataclasses
 import json
 import math
 import queue
-import re
 import secrets
 import sys
 import threading
@@ -53,13 +52,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpt_jax.cache import pages_for
 from inference.detokenize import RequestOutput
 from inference.engine import Engine
 from inference.errors import RequestError
-from inference.generation import CROP_HINT, validate
 from inference.load import add_model_args, load_model
-from inference.sampling import API_MAX_TEMPERATURE, RANGES, SamplingParams
+from inference.sampling_params import API_MAX_TEMPERATURE, RANGES, SamplingParams
+from inference.validation import check_request
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
 WINDOW_S = 10.0  # the generation_tokens_per_second window
@@ -161,9 +159,11 @@ API_FIELDS = {"max_new_tokens": "max_tokens"}  # the engine's field names -> the
 
 
 def _request_error(error: RequestError) -> APIError:
-    """A 400 naming the field, and every field its message mentions, as the API does."""
+    """A 400 naming the field, and every field its message mentions, as the API does (no
+    hint: a request to the server cannot crop), with the error's code."""
     param = API_FIELDS.get(error.field, error.field)
-    return APIError(400, error.message(param, API_FIELDS), param=param, code=error.code)
+    return APIError(400, error.message(param, API_FIELDS, setting=None), param=param,
+                    code=error.code)
 
 
 def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingParams:
@@ -539,23 +539,12 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
         if engine.tokenizer is None and not isinstance(body.prompt, list):
             raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
         prompts = await asyncio.to_thread(_prompts, body, engine)  # long text: off the loop
-        try:
-            validate(engine.config, prompts, sampling)
-        except ValueError as error:
-            message = str(error).replace(CROP_HINT, "").replace(  # no crop in the API
-                "max_new_tokens", "max_tokens")
-            if "logit_bias" in message:
-                message = re.sub(r"^prompt \d+: ", "", message)
-            raise APIError(400, message,
-                           param="logit_bias" if "logit_bias" in message else "prompt",
-                           code="context_length_exceeded" if "max_seq_len" in message
-                           else None) from None
-        for p in prompts:
-            need = pages_for(len(p) + sampling.max_new_tokens, engine.page_size)
-            if need > engine.num_pages:
-                raise APIError(400, f"prompt length {len(p)} + max_tokens "
-                                    f"{sampling.max_new_tokens} needs {need} KV pages; the "
-                                    f"server has {engine.num_pages}", param="max_tokens")
+        try:  # as the engine will check each: vocabulary, context, page pool
+            for i, p in enumerate(prompts):
+                check_request(engine.config, p, sampling, request=i,
+                              page_size=engine.page_size, num_pages=engine.num_pages)
+        except RequestError as error:
+            raise _request_error(error) from None
         samples = len(prompts) * sampling.n
         capacity = engine.max_slots + cfg.max_queue
         if samples > capacity:
@@ -586,6 +575,8 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
         if isinstance(first[1], BaseException):
             context.close()
             error = first[1]
+            if isinstance(error, RequestError):
+                raise _request_error(error)
             if isinstance(error, (ValueError, TypeError)):
                 raise APIError(400, str(error), param="prompt")
             raise APIError(500, f"the engine failed: {error!r}", type_="server_error")

@@ -506,10 +506,10 @@ def test_serve_refuses_bad_flags_and_models_before_it_listens(tmp_path, config, 
 
 
 def test_the_request_model_bounds_each_field_as_sampling_params_does():
-    """One range per field, in inference/sampling.py (`RANGES`): the server's request model
+    """One range per field, in inference/sampling_params.py (`RANGES`): the server's request model
     takes its bounds from there; it differs only where the API does (temperature at most 2,
     as OpenAI documents; top_k -1 = off, as vLLM)."""
-    from inference.sampling import API_MAX_TEMPERATURE, RANGES
+    from inference.sampling_params import API_MAX_TEMPERATURE, RANGES
     from inference.server import CompletionRequest
 
     api_names = {"max_tokens": "max_new_tokens"}
