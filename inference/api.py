@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from inference.detokenize import RequestOutput
 from inference.errors import RequestError
-from inference.sampling_params import API_MAX_TEMPERATURE, RANGES, SamplingParams
+from inference.sampling_params import API_MAX_TEMPERATURE, BIAS, RANGES, SamplingParams
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
 API_FIELDS = {"max_new_tokens": "max_tokens"}  # the engine's field names -> the API's
@@ -99,7 +99,7 @@ SHAPES = {"prompt": "a string, a list of strings, a list of token ids (integers)
                     "of lists of token ids",
           "stop": "a non-empty string or a list of them",
           "logit_bias": "an object mapping token ids (strings of digits) to numbers in "
-                        "[-100, 100]"}  # what a field of several shapes may be
+                        f"{BIAS.allowed}"}  # what a field of several shapes may be
 
 
 def validation_error(error: ValidationError | RequestValidationError) -> APIError:

@@ -232,10 +232,12 @@ class Engine:
             raise RequestError("stop", sampling.stop, "no stop strings without a tokenizer",
                                owner="", request=request_id,
                                problem="{request}: stop strings need " + needs)
-        if not isinstance(prompt, (list, tuple)) or (not prompt and sampling.max_new_tokens > 0):
+        listed = isinstance(prompt, (list, tuple))
+        if not listed or (not prompt and sampling.max_new_tokens > 0):
             raise RequestError("prompt", prompt, "a non-empty list of token ids (or text, "
-                               "with a tokenizer)", code="invalid_type", owner="",
-                               request=request_id, lead="; a prompt is ",
+                               "with a tokenizer)", code="invalid_value" if listed
+                               else "invalid_type", owner="", request=request_id,
+                               lead="; a prompt is ",
                                problem="{request}: the prompt is {value!r:.40}")
         prompt = check_request(self.config, prompt, sampling, request=request_id,
                                page_size=self.page_size, num_pages=self.num_pages)
