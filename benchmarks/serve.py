@@ -176,7 +176,9 @@ def profile_summary(raw: Path, tokens: int) -> dict:
     leaf-most known frame deciding (SSE, JSON, HTTP, our handler, asyncio itself)."""
     kinds = (("sse_starlette", "sse"), ("json/", "json"), ("starlette/", "http"),
              ("fastapi/", "http"), ("uvicorn/", "http"), ("h11", "http"),
-             ("httptools", "http"), ("inference/server.py", "handler"), ("asyncio/", "asyncio"))
+             ("httptools", "http"), ("inference/server.py", "handler"),
+             ("inference/api.py", "handler"), ("inference/streaming.py", "handler"),
+             ("asyncio/", "asyncio"))
     threads: dict[str, float] = {}
     parts = dict.fromkeys(("sse", "json", "http", "handler", "asyncio", "other"), 0.0)
     for line in raw.read_text().splitlines():

@@ -12,7 +12,7 @@ _HOMES = {
     "prefill": "inference.steps", "decode_step": "inference.steps",
     "Engine": "inference.engine", "compile_counts": "inference.engine",
     "RequestOutput": "inference.detokenize", "LLM": "inference.llm",
-    "naive_generate": "inference.naive", "SamplingParams": "inference.sampling",
+    "naive_generate": "inference.naive", "SamplingParams": "inference.sampling_params",
 }
 __all__ = sorted(_HOMES)
 

@@ -17,7 +17,8 @@ from flax import struct
 
 from inference import stopping
 from inference.decode import DecodeState, decode_chunk, sample_and_record
-from inference.sampling import SamplingArrays, SamplingParams
+from inference.sampling import SamplingArrays
+from inference.sampling_params import SamplingParams
 from inference.scheduler import MIN_PROMPT_BUCKET, PrefillWork, Sequence, bucket
 from inference.steps import run_prefill, run_step
 

@@ -30,10 +30,10 @@ import numpy as np
 
 from gpt_jax.cache import cache_bytes, pages_for
 from inference.errors import RequestError
-from inference.generation import CROP_HINT, generate, pack, validate
+from inference.generation import generate, pack, validate
 from inference.llm import LLM
 from inference.load import add_model_args, load_model
-from inference.sampling import CONTEXT_OVERFLOW, SamplingParams
+from inference.sampling_params import CONTEXT_OVERFLOW, SamplingParams
 from inference.steps import init_cache_rows, prefill
 
 
@@ -117,12 +117,12 @@ FIELD_FLAGS = {
 
 def refusal(error: Exception) -> SystemExit:
     """The CLI's one-line error for `error`, in flags: `SamplingParams.top_p=2.0` is
-    `--top-p=2.0`, and "crop" is --context-overflow crop."""
-    named = isinstance(error, RequestError) and error.field in FIELD_FLAGS
-    text = error.message(FIELD_FLAGS[error.field]) if named else str(error)
-    return SystemExit("gpt-jax generate: " + text.replace(
-        CROP_HINT, " (or --context-overflow crop to predict each token from the last "
-                   "max_seq_len)"))
+    `--top-p=2.0`, and a hint to set context_overflow "crop" is `--context-overflow crop`."""
+    if not isinstance(error, RequestError):
+        return SystemExit(f"gpt-jax generate: {error}")
+    setting = error.hint and FIELD_FLAGS[error.hint.field] + " {value}"  # as its flag
+    text = error.message(FIELD_FLAGS.get(error.field, error.field), setting=setting)
+    return SystemExit(f"gpt-jax generate: {text}")
 
 
 def sampling_from_args(args) -> SamplingParams:

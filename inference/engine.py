@@ -28,10 +28,13 @@ from inference.batching import (PrefillBatch, decode_rows, engine_decode, engine
                                 prefill_batch, row_arrays)
 from inference.decode import CHUNK, init_state
 from inference.detokenize import RequestOutput, request_output, sequence_text
-from inference.generation import generate_program, validate
-from inference.sampling import MAX_LOGPROBS, SamplingParams, prompt_hash
+from inference.errors import RequestError
+from inference.generation import generate_program
+from inference.sampling import prompt_hash
+from inference.sampling_params import MAX_LOGPROBS, SamplingParams
 from inference.scheduler import PrefillWork, Scheduler, Sequence, SequenceResult, Status
 from inference.steps import PAGE_SIZE, decode_step, prefill
+from inference.validation import check_request
 
 FINISHED_IDS = 100_000  # finished request ids an Engine remembers (abort of one: no error)
 
@@ -178,11 +181,11 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: list[int] | str,
                     sampling: SamplingParams | None = None) -> None:
-        """Queue a request. Raises ValueError (before it is queued; the engine keeps serving
-        the others) for a duplicate request_id, an empty prompt or one with ids outside
-        the vocabulary, a prompt + max_new_tokens past max_seq_len or past what the page
-        pool can ever hold, stop strings or a text prompt without a tokenizer; TypeError for
-        sampling that is not SamplingParams (`check_request`)."""
+        """Queue a request. Raises RequestError (a ValueError; before it is queued, and the
+        engine keeps serving the others) for a duplicate request_id, an empty prompt or one
+        with ids outside the vocabulary, a prompt + max_new_tokens past max_seq_len or past
+        what the page pool can ever hold, stop strings or a text prompt without a tokenizer;
+        TypeError for sampling that is not SamplingParams (`check_request`)."""
         prompt, sampling = self.check_request(request_id, prompt, sampling)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(32)
         seqs = [Sequence(request_id, k, prompt, sampling, seed, prompt_hash(prompt),
@@ -202,42 +205,42 @@ class Engine:
 
     def check_request(self, request_id: str, prompt, sampling: SamplingParams | None):
         """Every check of one request, before anything is queued (the engine keeps serving
-        the others). Returns `(prompt, sampling)`: the prompt as a list of token ids (text
-        encoded; a "crop" prompt cropped to max_seq_len) and the sampling parameters
-        (default ones for None). Raises ValueError or TypeError, naming the request, as
-        `add_request` says."""
+        the others): the engine's own (the request id, text and stop strings need the
+        tokenizer, the prompt's type), then `inference.validation.check_request` (the model's
+        vocabulary and context, the page pool). Returns `(prompt, sampling)`: the prompt as
+        a list of token ids (text encoded; a "crop" prompt cropped to max_seq_len) and the
+        sampling parameters (default ones for None). Raises RequestError naming the request,
+        or TypeError for sampling that is not SamplingParams."""
         if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a str, got {request_id!r}")
+            raise RequestError("request_id", request_id, "strings", code="invalid_type",
+                               owner="", problem="{field}={value!r} is not a str")
         if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in the engine")
+            raise RequestError("request_id", request_id, "an id not in the engine", owner="",
+                               problem="{field} {value!r} is already in the engine")
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        needs = "a tokenizer: pass one to the Engine"
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: pass one to the Engine")
+                raise RequestError("prompt", prompt, "token ids", owner="", request=request_id,
+                                   problem="{request}: a text prompt needs " + needs)
             prompt = self.tokenizer.encode(prompt)
         if isinstance(prompt, np.ndarray):
             prompt = prompt.tolist()
         if sampling.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: pass one to the Engine")
-        if not isinstance(prompt, (str, list, tuple)) or (
-                not prompt and sampling.max_new_tokens > 0):
-            raise ValueError(f"request {request_id!r}: the prompt is {prompt!r:.40}; a prompt "
-                             "is a non-empty list of token ids (or text, with a tokenizer)")
-        try:
-            (prompt,), _ = validate(self.config, [prompt], [sampling])
-        except ValueError as error:  # name the request, not a position in a list
-            raise ValueError(str(error).replace("prompt 0", f"request {request_id!r}", 1)) \
-                from None
-        # At most max_seq_len tokens in the cache: a "crop" request past it reads its window.
-        need = kv.pages_for(min(len(prompt) + sampling.max_new_tokens, self.config.max_seq_len),
-                            self.page_size)
-        if need > self.num_pages:
-            raise ValueError(
-                f"request {request_id!r}: prompt length {len(prompt)} + max_new_tokens "
-                f"{sampling.max_new_tokens} needs {need} pages of {self.page_size} tokens, but "
-                f"the page pool has {self.num_pages}")
+            raise RequestError("stop", sampling.stop, "no stop strings without a tokenizer",
+                               owner="", request=request_id,
+                               problem="{request}: stop strings need " + needs)
+        listed = isinstance(prompt, (list, tuple))
+        if not listed or (not prompt and sampling.max_new_tokens > 0):
+            raise RequestError("prompt", prompt, "a non-empty list of token ids (or text, "
+                               "with a tokenizer)", code="invalid_value" if listed
+                               else "invalid_type", owner="", request=request_id,
+                               lead="; a prompt is ",
+                               problem="{request}: the prompt is {value!r:.40}")
+        prompt = check_request(self.config, prompt, sampling, request=request_id,
+                               page_size=self.page_size, num_pages=self.num_pages)
         return prompt, sampling
 
     def abort(self, request_id: str) -> None:

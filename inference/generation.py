@@ -1,6 +1,7 @@
-"""The static generation driver: `generate` checks every request (`validate`), packs the
-batch into bucketed arrays (`pack`), runs prefill and the whole token loop as one compiled
-program (`generation`) and unpacks one `Completion` per sample.
+"""The static generation driver: `generate` checks every request (`validate`, with
+`inference.validation.check_request`), packs the batch into bucketed arrays (`pack`), runs
+prefill and the whole token loop as one compiled program (`generation`) and unpacks one
+`Completion` per sample.
 
 The program: prefill with the first token, then a `lax.scan` over a chunk of steps inside a
 `lax.while_loop` that exits once every row has finished (`inference.decode`). A request with
@@ -17,7 +18,6 @@ new bucket.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import secrets
 
 import jax
@@ -30,14 +30,11 @@ from gpt_jax.params import check_params
 from inference import stopping
 from inference.decode import (CHUNK, DecodeState, decode_loop, init_state, prompt_seen,
                               prompt_window, sample_and_record)
-from inference.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, prompt_hash
+from inference.sampling import SamplingArrays, prompt_hash
+from inference.sampling_params import MAX_LOGPROBS, SamplingParams
 from inference.scheduler import MIN_PROMPT_BUCKET, bucket
 from inference.steps import cached_model
-
-# Ends the message for a request that does not fit the context under "error" (the server,
-# whose requests cannot crop, and the CLI, whose flag is spelled otherwise, replace it).
-CROP_HINT = ' (or context_overflow="crop" to predict each token from the last max_seq_len)'
-
+from inference.validation import check_request
 
 def _start(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity, n_steps,
            n_top, model_fns, cache_dtype, forked, pad_id):
@@ -120,66 +117,21 @@ def _expand_sampling(prompts, sampling) -> list[SamplingParams]:
 
 
 def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
-    """Check every request before any work starts. Returns `(prompts, sampling)` lists.
-
-    A request's `context_overflow` (None: "error") says what a request longer than the
-    model's context does: under "crop" a prompt longer than config.max_seq_len is cropped to
-    its last max_seq_len tokens (nanoGPT's `idx[:, -block_size:]`) and max_new_tokens may
-    take it past the context; under "error" neither is allowed.
+    """Check every request before any work starts (`inference.validation.check_request`,
+    each named by its index). Returns `(prompts, sampling)` lists: the prompts as token-id
+    lists (started from BOS, cropped, as `check_request` returns them), a SamplingParams
+    each.
 
     Raises:
-      ValueError: a token id that is not an integer or is outside [0, vocab_size); an empty
-        prompt without a BOS id;
-        under "error", a prompt length + max_new_tokens above config.max_seq_len (both
-        numbers named, and "crop" suggested);
-        a stop_token_id, stop_sequences id or logit_bias id outside the vocabulary (the id
-        and vocab_size named).
+      RequestError (a ValueError): as `check_request` says.
+      TypeError, ValueError: prompts that are not a list, sampling that is not
+        SamplingParams or not one per prompt.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise TypeError("prompts must be a list of token-id lists")
     sampling = _expand_sampling(prompts, sampling)
-    V = config.vocab_size
-    out = []
-    for index, (prompt, sp) in enumerate(zip(prompts, sampling)):
-        not_ints = [t for t in prompt
-                    if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-        if not_ints:
-            raise ValueError(f"prompt {index}: token id {not_ints[0]!r} is not an integer")
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            if bos_token_id is None and sp.max_new_tokens > 0:
-                raise ValueError(
-                    f"prompt {index} is empty; a prompt needs at least one token (pass "
-                    "bos_token_id to inference.generate to start empty prompts from BOS)"
-                )
-            prompt = [] if bos_token_id is None else [int(bos_token_id)]
-        for what, ids in (("token id", prompt), ("stop_token_ids id", sp.stop_token_ids),
-                          ("stop_sequences id", [t for q in sp.stop_sequences for t in q]),
-                          ("logit_bias id", [t for t, _ in sp.logit_bias])):
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise ValueError(f"prompt {index}: {what} {bad[0]} is outside [0, {V}) "
-                                 f"(the model's vocab_size is {V})")
-        if sp.logprobs is not None and sp.logprobs > V:
-            raise ValueError(f"prompt {index}: logprobs={sp.logprobs} asks for more "
-                             f"alternatives than the vocabulary has; allowed: [0, {V}]")
-        if sp.overflow("error") == "crop":
-            prompt = prompt[-config.max_seq_len:]
-        elif len(prompt) >= config.max_seq_len:  # whatever max_new_tokens: say so
-            raise ValueError(
-                f"prompt {index}: prompt length {len(prompt)} leaves no room for a new token "
-                f"in the model's max_seq_len {config.max_seq_len}; allowed: prompt length + "
-                f"max_new_tokens {sp.max_new_tokens} at most {config.max_seq_len}{CROP_HINT}"
-            )
-        elif len(prompt) + sp.max_new_tokens > config.max_seq_len:
-            raise ValueError(
-                f"prompt {index}: prompt length {len(prompt)} + max_new_tokens "
-                f"{sp.max_new_tokens} = {len(prompt) + sp.max_new_tokens} exceeds the "
-                f"model's max_seq_len {config.max_seq_len}; allowed: a sum of at most "
-                f"{config.max_seq_len}{CROP_HINT}"
-            )
-        out.append(prompt)
-    return out, sampling
+    return [check_request(config, prompt, sp, request=index, bos_token_id=bos_token_id)
+            for index, (prompt, sp) in enumerate(zip(prompts, sampling))], sampling
 
 
 def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:

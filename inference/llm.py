@@ -31,7 +31,7 @@ from gpt_jax import checkpoint
 from gpt_jax.params import inference_params
 from inference.engine import Engine
 from inference.generation import validate
-from inference.sampling import SamplingParams
+from inference.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass
@@ -174,9 +174,6 @@ class LLM:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         token_prompts, per_prompt = validate(self.config, self._encode(prompts),
                                                     crop_by_default(sampling))
-        for p, sp in zip(token_prompts, per_prompt):
-            if not p and sp.max_new_tokens > 0:
-                raise ValueError("a prompt is empty; a prompt needs at least one token")
         return self._deltas(token_prompts, per_prompt, max_batch_size)
 
     def _deltas(self, token_prompts, per_prompt, max_batch_size: int) -> Iterator[Delta]:

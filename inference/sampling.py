@@ -40,185 +40,14 @@ NaN never reaches other rows.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from inference.errors import RequestError
-
-MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for
-INT32_MAX = 2**31 - 1  # integer fields become int32 arrays
-CONTEXT_OVERFLOW = ("error", "crop")  # SamplingParams.context_overflow values (None: default)
-
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """A numeric field's allowed values, `low` to `high` (`low_open`: above `low`), and how
-    an error states them."""
-
-    low: float
-    high: float
-    allowed: str
-    integer: bool = False
-    low_open: bool = False
-
-    def __contains__(self, value) -> bool:
-        return (value > self.low if self.low_open else value >= self.low) and value <= self.high
-
-
-# Every numeric field's range, defined once: SamplingParams checks them (in this order), and
-# the server's request model takes its bounds from them (`inference.server`).
-RANGES = {
-    "temperature": Range(0.0, math.inf, "[0, inf)"),
-    "top_k": Range(0, INT32_MAX, f"[0, {INT32_MAX}] (0 = off)", integer=True),
-    "top_p": Range(0.0, 1.0, "[0, 1]"),
-    "min_p": Range(0.0, 1.0, "[0, 1]"),
-    "repetition_penalty": Range(0.0, math.inf, "(0, inf)", low_open=True),
-    "presence_penalty": Range(-2.0, 2.0, "[-2, 2]"),
-    "frequency_penalty": Range(-2.0, 2.0, "[-2, 2]"),
-    "seed": Range(0, 2**32 - 1, "None or [0, 2**32 - 1]", integer=True),
-    "max_new_tokens": Range(0, INT32_MAX, f"[0, {INT32_MAX}]", integer=True),
-    "logprobs": Range(0, MAX_LOGPROBS, f"None or [0, {MAX_LOGPROBS}]", integer=True),
-    "n": Range(1, INT32_MAX, f"[1, {INT32_MAX}]", integer=True),
-    "min_tokens": Range(0, INT32_MAX, f"[0, {INT32_MAX}]", integer=True),
-}
-BIAS = Range(-100.0, 100.0, "[-100, 100]")  # a logit_bias value
-TOKEN_ID = Range(0, math.inf, "token ids >= 0", integer=True)  # stop ids, biased ids
-# OpenAI's API documents temperature in [0, 2], and the server keeps to it; the engine
-# samples at any temperature in RANGES.
-API_MAX_TEMPERATURE = 2.0
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request. Validated on construction.
-
-    Raises:
-      RequestError (a ValueError): a field is out of range; the message names the field,
-        value and range (`RANGES`).
-      TypeError: an unknown field (the dataclass constructor rejects it).
-    """
-
-    temperature: float = 1.0  # 0 = greedy; otherwise logits are divided by it
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = off
-    min_p: float = 0.0  # keep tokens with prob >= min_p * max prob; 0 = off
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output
-    presence_penalty: float = 0.0  # subtracted once from each token already in the output
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
-    # None: a fresh random seed, reported back in the Completion. The noise of a row comes
-    # from (seed, a hash of the prompt's tokens, sample index, step): the same seed with the
-    # same prompt repeats exactly, alone or in any batch; with different prompts it draws
-    # independent noise (`prompt_hash`, `row_keys`).
-    seed: int | None = None
-    max_new_tokens: int = 16  # most tokens to generate
-    stop_token_ids: tuple[int, ...] = ()  # EOS ids: generation ends after emitting one
-    stop: tuple[str, ...] = ()  # stop strings: output is cut before the first one found
-    logprobs: int | None = None  # None = off; n >= 0 = sampled token's logprob + top n
-    n: int = 1  # independent samples of this prompt, sharing one prefill
-    stop_sequences: tuple[tuple[int, ...], ...] = ()  # token id sequences; output cut before one
-    # vLLM's min_tokens: no stop (EOS id, token stop sequence, stop string) until this many
-    # tokens have been generated. An EOS id cannot be sampled while fewer have been (its
-    # logit is -inf, `stopping.ban_early_eos`); a stop sequence or string counts only if the
-    # token that completes it comes after the first min_tokens (a match may start inside
-    # them). At most max_new_tokens, which still ends the row.
-    min_tokens: int = 0
-    # OpenAI's logit_bias: token id -> bias in [-100, 100], added to the raw logits before
-    # penalties, temperature and filters (not to the reported logprobs, which stay the
-    # model's). Given as a dict or (id, bias) pairs; kept as pairs sorted by id (hashable).
-    # Ids past the vocabulary are refused by `inference.generation.validate`, which knows it.
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    # What a request that outgrows the model's context (max_seq_len) does: "error" refuses
-    # a prompt + max_new_tokens past it (`inference.generation.validate`); "crop" (nanoGPT's
-    # sample: `idx_cond = idx[:, -block_size:]`) predicts each token from exactly the last
-    # max_seq_len tokens of prompt and output, and crops a longer prompt to its last
-    # max_seq_len tokens (the penalties and the prompt hash then see only those). None: the
-    # front's default, "error" for `generate`, `Engine` and the server (nothing outgrows the
-    # context silently), "crop" for `LLM` and `gpt-jax generate`.
-    context_overflow: str | None = None
-
-    def __post_init__(self):
-        set_ = object.__setattr__
-        set_(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
-        set_(self, "stop", (self.stop,) if isinstance(self.stop, str) else
-             _as_tuple("stop", self.stop))
-        set_(self, "stop_sequences", tuple(
-            _as_tuple("stop_sequences", q) for q in _as_tuple("stop_sequences", self.stop_sequences)
-        ))
-        for name in RANGES:
-            if getattr(self, name) is not None or name not in ("seed", "logprobs"):
-                _check(name, getattr(self, name))
-        for token_id in self.stop_token_ids:
-            _check("stop_token_ids", token_id, TOKEN_ID)
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise RequestError("stop", s, "non-empty strings")
-        for sequence in self.stop_sequences:
-            if not sequence:
-                raise RequestError("stop_sequences", sequence,
-                                   "non-empty sequences of token ids >= 0")
-            for token_id in sequence:
-                _check("stop_sequences", token_id, TOKEN_ID)
-        if self.min_tokens > self.max_new_tokens:
-            raise RequestError("min_tokens", self.min_tokens, "0 <= {min_tokens} <= "
-                               "{max_new_tokens}", problem="{field}={value!r} is more than "
-                               f"{{max_new_tokens}}={self.max_new_tokens}")
-        set_(self, "logit_bias", _bias_pairs(self.logit_bias))
-        if self.context_overflow not in CONTEXT_OVERFLOW + (None,):
-            raise RequestError("context_overflow", self.context_overflow,
-                               f"None, {', '.join(map(repr, CONTEXT_OVERFLOW))}")
-
-    def overflow(self, default: str) -> str:
-        """`context_overflow`, or `default` when it is None."""
-        return default if self.context_overflow is None else self.context_overflow
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def _as_tuple(name, value) -> tuple:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise RequestError(name, value, "a list", code="invalid_type")
-    return tuple(value)
-
-
-def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
-    """`logit_bias` as (id, bias) pairs sorted by id, from a dict or pairs; each id an int >= 0
-    given once, each bias a real in [-100, 100]."""
-    pairs = value.items() if isinstance(value, dict) else _as_tuple("logit_bias", value)
-    out = {}
-    for pair in pairs:
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise RequestError("logit_bias", pair, "a dict or pairs {{token id >= 0: bias}}",
-                               code="invalid_type",
-                               problem="{field} entry {value!r} is not a (token id, bias) pair")
-        token_id, bias = pair
-        _check("logit_bias", token_id, TOKEN_ID)
-        _check("logit_bias", bias, BIAS, f"{{field}}[{token_id}]={{value!r}} is out of range")
-        if int(token_id) in out:
-            raise RequestError("logit_bias", token_id, "each id once",
-                               problem="{field} gives token id {value!r} twice")
-        out[int(token_id)] = float(bias)
-    return tuple(sorted(out.items()))
-
-
-def _check(name, value, range_=None, problem="{field}={value!r} is out of range"):
-    """Raise RequestError unless `value` is in `range_` (default `RANGES[name]`): an integer
-    for an integer range, else a finite real."""
-    range_ = range_ or RANGES[name]
-    if range_.integer and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
-        raise RequestError(name, value, f"integers {range_.allowed}", code="invalid_type",
-                           problem="{field}={value!r} is not an integer")
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not real or not (range_.integer or math.isfinite(value)) or value not in range_:
-        raise RequestError(name, value, range_.allowed, problem=problem)
+from inference.sampling_params import SamplingParams
 
 
 @struct.dataclass
@@ -242,7 +71,8 @@ class SamplingArrays:
     def from_params(cls, rows: list[SamplingParams], seeds: list[int], sample_index: list[int],
                     prompt_hashes: list[int], vocab_size: int):
         """The arrays of these rows (`[B]` each, `logit_bias` `[B, vocab_size]`). Token ids
-        in `logit_bias` must be below vocab_size (`inference.generation.validate` checks)."""
+        in `logit_bias` must be below vocab_size (`inference.validation.check_request`
+        checks)."""
         def col(name, dtype):
             return jnp.asarray(np.array([getattr(r, name) for r in rows], dtype))
 

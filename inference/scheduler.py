@@ -16,12 +16,8 @@ import collections
 import dataclasses
 import enum
 import heapq
-from typing import TYPE_CHECKING
-
 from inference.pages import PagePool, page_hashes
-
-if TYPE_CHECKING:  # sampling imports JAX; the scheduler only reads a request's fields
-    from inference.sampling import SamplingParams
+from inference.sampling_params import SamplingParams  # plain Python: no JAX here
 
 MIN_PROMPT_BUCKET = 16  # the shortest padded prompt length of a prefill call
 

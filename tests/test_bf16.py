@@ -12,7 +12,7 @@ from gpt_jax import GPTConfig, forward, init_cache
 from inference.generation import generate
 from inference.steps import decode_step, prefill
 from inference.llm import LLM
-from inference.sampling import SamplingParams
+from inference.sampling_params import SamplingParams
 
 CONFIG = GPTConfig(vocab_size=64, max_seq_len=64, n_layers=2, n_heads=4, n_kv_heads=2,
                    d_model=64)

@@ -52,3 +52,31 @@ def test_every_bad_sampling_field_raises_a_request_error_naming_it(fields, field
     if value is not None:  # NaN equals nothing
         assert error.value == value
     assert str(error).startswith(f"SamplingParams.{field}") and "; allowed: " in str(error)
+
+
+def test_a_request_check_carries_its_code_request_and_hint_as_data(config):
+    """`check_request` (inference/validation.py): the prompt index or request id and the
+    "crop" remedy are attributes, so each front words them its own way."""
+    from inference.validation import CROP, check_request
+
+    C = config.max_seq_len
+    with pytest.raises(RequestError) as raised:
+        check_request(config, [1] * (C - 2), SamplingParams(max_new_tokens=5), request=3)
+    error = raised.value
+    assert (error.field, error.value, error.code, error.request, error.hint) == (
+        "max_new_tokens", 5, "context_length_exceeded", 3, CROP)
+    assert str(error).endswith(  # the library: today's text, the hint as a Python setting
+        '(or context_overflow="crop" to predict each token from the last max_seq_len)')
+    assert error.message("max_tokens", setting=None) == (  # the server: no hint
+        f"prompt 3: prompt length {C - 2} + max_tokens 5 = {C + 3} exceeds the model's "
+        f"max_seq_len {C}; allowed: a sum of at most {C}")
+    assert error.message("--max-new-tokens", setting="--context-overflow {value}").endswith(
+        "(or --context-overflow crop to predict each token from the last max_seq_len)")
+    crop = SamplingParams(max_new_tokens=5, context_overflow="crop")
+    assert check_request(config, [2] * (C + 5), crop, request="a") == [2] * C
+    with pytest.raises(RequestError) as raised:  # the page pool: at most 6 pages of 8
+        check_request(config, [1] * 40, SamplingParams(max_new_tokens=20), request="big",
+                      page_size=8, num_pages=6)
+    assert (raised.value.field, raised.value.request) == ("max_new_tokens", "big")
+    assert str(raised.value).startswith("request 'big': prompt length 40 + max_new_tokens 20 "
+                                        "needs 8 pages of 8 tokens, but the page pool has 6")

@@ -14,7 +14,7 @@ from gpt_jax.tokenizer import CharTokenizer
 from inference import llm as llm_module
 from inference.decode import CHUNK
 from inference.llm import LLM
-from inference.sampling import SamplingParams
+from inference.sampling_params import SamplingParams
 from training import train as T
 from training.config import TrainConfig
 

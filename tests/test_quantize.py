@@ -25,7 +25,7 @@ from inference import cli, steps
 from inference.engine import Engine
 from inference.generation import generate
 from inference.llm import LLM
-from inference.sampling import SamplingParams
+from inference.sampling_params import SamplingParams
 
 # vocab 61 and d_model 36: neither a multiple of the 8-channel panel nor of the vector width.
 SMALL = GPTConfig(vocab_size=61, max_seq_len=64, n_layers=2, n_heads=4, n_kv_heads=2,

@@ -15,7 +15,7 @@ PAGE = 16
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """The fields of `SamplingParams` the scheduler reads (SamplingParams imports JAX)."""
+    """The fields of `SamplingParams` the scheduler reads, and only those."""
 
     max_new_tokens: int = 4
     n: int = 1

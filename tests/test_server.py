@@ -289,6 +289,34 @@ def test_request_errors_have_openai_shape(url, config):
     assert error_of(httpx.get(f"{url}/v2/nothing"))["type"] == "not_found"
 
 
+@pytest.mark.parametrize("request_, param, code, message", [
+    (dict(prompt="A" * 100, max_tokens=50), "max_tokens", "context_length_exceeded",
+     "prompt 0: prompt length 100 + max_tokens 50 = 150 exceeds the model's max_seq_len 128; "
+     "allowed: a sum of at most 128"),
+    (dict(prompt=["AB", "A" * 128], max_tokens=1), "prompt", "context_length_exceeded",
+     "prompt 1: prompt length 128 leaves no room for a new token in the model's max_seq_len "
+     "128; allowed: prompt length + max_tokens 1 at most 128"),
+    (dict(prompt="AB", logit_bias={"64": 1}), "logit_bias", "invalid_value",
+     "prompt 0: logit_bias id 64 is outside [0, 64) (the model's vocab_size is 64)"),
+    (dict(prompt=[[1, 2], [3, 64]]), "prompt", "invalid_value",
+     "prompt 1: token id 64 is outside [0, 64) (the model's vocab_size is 64)"),
+    (dict(prompt="AB", max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens",
+     "invalid_value", "min_tokens=5 is more than max_tokens=4; allowed: 0 <= min_tokens <= "
+     "max_tokens"),
+], ids=["max_tokens-past-context", "prompt-fills-context", "logit_bias-id", "prompt-token-id",
+        "min_tokens"])
+def test_the_openai_client_reads_param_and_code_of_a_refused_request(client, request_, param,
+                                                                      code, message):
+    """The engine's checks (`inference.validation`, `SamplingParams`) reach the client as
+    OpenAI errors: the API's field names, the error's code, no "crop" hint (the API has no
+    context_overflow), the prompt named by its index."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="tiny", **request_)
+    error = raised.value
+    assert (error.status_code, error.param, error.code) == (400, param, code)
+    assert error.type == "invalid_request_error" and error.body["message"] == message
+
+
 class GatedEngine(Engine):
     """The real Engine, whose steps wait for permits: the test decides when it runs."""
 
@@ -506,11 +534,11 @@ def test_serve_refuses_bad_flags_and_models_before_it_listens(tmp_path, config, 
 
 
 def test_the_request_model_bounds_each_field_as_sampling_params_does():
-    """One range per field, in inference/sampling.py (`RANGES`): the server's request model
+    """One range per field, in inference/sampling_params.py (`RANGES`): the server's request model
     takes its bounds from there; it differs only where the API does (temperature at most 2,
     as OpenAI documents; top_k -1 = off, as vLLM)."""
-    from inference.sampling import API_MAX_TEMPERATURE, RANGES
-    from inference.server import CompletionRequest
+    from inference.sampling_params import API_MAX_TEMPERATURE, RANGES
+    from inference.api import CompletionRequest
 
     api_names = {"max_tokens": "max_new_tokens"}
     differs = {"temperature": {"le": API_MAX_TEMPERATURE}, "top_k": {"ge": -1}}

@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_lively
 from gpt_jax import forward
 from inference import engine, generation, steps, stopping
-from inference.sampling import SamplingParams
+from inference.sampling_params import SamplingParams
 
 EOS, PAD = 2, 1
 FORCED_AT = 5  # cache length at which row 0 (prompt of 3) produces its third token

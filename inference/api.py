@@ -1,0 +1,188 @@
+"""The OpenAI API's side of the server: the request body (`CompletionRequest`, bounded by
+`inference.sampling_params.RANGES`), the field table (`API_FIELDS`, the engine's names ->
+the API's), errors in OpenAI's shape (`APIError`, from pydantic's errors and from the
+engine's `RequestError`), and the shapes of responses and stream chunks.
+
+A `RequestError` carries its field, value and code, so an API error is a lookup in the
+table: no message is read back or edited.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Optional, Union
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from inference.detokenize import RequestOutput
+from inference.errors import RequestError
+from inference.sampling_params import API_MAX_TEMPERATURE, BIAS, RANGES, SamplingParams
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
+API_FIELDS = {"max_new_tokens": "max_tokens"}  # the engine's field names -> the API's
+
+
+# ---------------------------------------------------------------------- the request
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+def _bounded(default, name: str, **api_bounds):
+    """A pydantic Field bounded as SamplingParams bounds the field `name` (`RANGES`), or by
+    `api_bounds` where the API differs."""
+    range_ = RANGES[name]
+    bounds = {"gt" if range_.low_open else "ge": range_.low}
+    if range_.high != math.inf:
+        bounds["le"] = range_.high
+    return Field(default, **(bounds | api_bounds))
+
+
+class CompletionRequest(BaseModel):
+    """The body of POST /v1/completions (OpenAI's fields, then vLLM's extra ones). A field
+    sent as null takes its default. Unknown fields are refused, so a misspelt one is named
+    instead of silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # "5" or true is not an int
+
+    model: Optional[str] = None
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = _bounded(16, "max_new_tokens")
+    temperature: Optional[float] = _bounded(1.0, "temperature", le=API_MAX_TEMPERATURE)
+    top_p: Optional[float] = _bounded(1.0, "top_p")
+    n: Optional[int] = _bounded(1, "n")
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = _bounded(None, "seed")
+    logprobs: Optional[int] = _bounded(None, "logprobs")
+    presence_penalty: Optional[float] = _bounded(0.0, "presence_penalty")
+    frequency_penalty: Optional[float] = _bounded(0.0, "frequency_penalty")
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    echo: Optional[bool] = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    user: Optional[str] = None
+    top_k: Optional[int] = _bounded(0, "top_k", ge=-1)  # vLLM: -1 or 0 = off
+    min_p: Optional[float] = _bounded(0.0, "min_p")
+    repetition_penalty: Optional[float] = _bounded(1.0, "repetition_penalty")
+    min_tokens: Optional[int] = _bounded(0, "min_tokens")
+    logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias
+
+
+
+# ---------------------------------------------------------------------- errors
+
+class APIError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = \
+            status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+SHAPES = {"prompt": "a string, a list of strings, a list of token ids (integers) or a list "
+                    "of lists of token ids",
+          "stop": "a non-empty string or a list of them",
+          "logit_bias": "an object mapping token ids (strings of digits) to numbers in "
+                        f"{BIAS.allowed}"}  # what a field of several shapes may be
+
+
+def validation_error(error: ValidationError | RequestValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field, the value and what is allowed."""
+    first = error.errors()[0]
+    loc = [str(p) for p in first["loc"] if p != "body"]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['msg']}")
+    if not loc:
+        return APIError(400, "the request body must be a JSON object of completion fields")
+    param = loc[0]
+    if param in SHAPES:
+        return APIError(400, f"{param} must be {SHAPES[param]}", param=param)
+    if first["type"] == "missing":
+        return APIError(400, f"'{param}' is required", param=param)
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"unknown field '{param}'", param=param)
+    value = json.dumps(first.get("input"), default=str)[:80]
+    return APIError(400, f"{param}={value} is invalid: {first['msg']}", param=param)
+
+
+def request_error(error: RequestError) -> APIError:
+    """A 400 naming the field, and every field its message mentions, as the API does (no
+    hint: a request to the server cannot crop), with the error's code."""
+    param = API_FIELDS.get(error.field, error.field)
+    return APIError(400, error.message(param, API_FIELDS, setting=None), param=param,
+                    code=error.code)
+
+
+def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingParams:
+    """SamplingParams of a request. Raises APIError for a field we do not support."""
+    if body.echo:
+        raise APIError(400, "echo=true is not supported; the prompt is not returned",
+                       param="echo")
+    if body.suffix:
+        raise APIError(400, "suffix is not supported (no insertion models)", param="suffix")
+    n = 1 if body.n is None else body.n
+    if body.best_of not in (None, n):
+        raise APIError(400, f"best_of={body.best_of} is not supported; only best_of = n "
+                            f"({n})", param="best_of")
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias key {key!r} is not a token id; allowed: token ids "
+                                "as strings of digits", param="logit_bias")
+        bias[int(key)] = value
+    try:
+        return SamplingParams(
+            temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
+            top_k=max(0, pick(body.top_k, 0)), min_p=pick(body.min_p, 0.0),
+            repetition_penalty=pick(body.repetition_penalty, 1.0),
+            presence_penalty=pick(body.presence_penalty, 0.0),
+            frequency_penalty=pick(body.frequency_penalty, 0.0), seed=body.seed,
+            max_new_tokens=pick(body.max_tokens, 16), n=n, logprobs=body.logprobs,
+            stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
+            stop_token_ids=[] if eos_token_id is None else [eos_token_id],
+            min_tokens=pick(body.min_tokens, 0), logit_bias=bias)
+    except RequestError as error:
+        raise request_error(error) from None
+
+
+# ---------------------------------------------------------------------- responses
+
+def completion_object(cid: str, created: int, model: str, choices: list[dict]) -> dict:
+    """A text_completion object: the response, or one chunk of a stream."""
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices}
+
+
+def choice(index: int, out: RequestOutput, text: str, logprobs: dict | None) -> dict:
+    """One choice of a completion (or of a chunk: `text` new, finish_reason once done)."""
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": FINISH_REASONS[out.finish_reason] if out.finished else None}
+
+
+def logprobs(tokenizer, out: RequestOutput, start: int, text_offset: int) -> dict:
+    """OpenAI's completion logprobs of out.token_ids[start:] (token strings as decoded)."""
+    decode = tokenizer.decode
+    ids = out.token_ids[start:]
+    tokens = [decode([t]) for t in ids]
+    offsets = [text_offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": out.logprobs[start:],
+            "top_logprobs": [{decode([t]): lp for t, lp in top.items()}
+                             for top in out.top_logprobs[start:]],
+            "text_offset": offsets}

@@ -1,0 +1,61 @@
+"""The server's Prometheus metrics (vLLM's names, with the gpt_jax: prefix), in a registry
+of their own: what the engine holds and has done, updated by the engine thread after each
+command and step."""
+
+from __future__ import annotations
+
+import time
+
+import prometheus_client as prom
+
+WINDOW_S = 10.0  # the generation_tokens_per_second window
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of their own (vLLM's names, with the
+    gpt_jax: prefix)."""
+
+    def __init__(self):
+        prom.disable_created_metrics()  # no *_created series beside each counter
+        r = self.registry = prom.CollectorRegistry()
+        g = lambda name, doc: prom.Gauge(f"gpt_jax:{name}", doc, registry=r)  # noqa: E731
+        self.running = g("num_requests_running", "samples being prefilled or decoded")
+        self.waiting = g("num_requests_waiting", "samples waiting for a slot")
+        self.pages_used = g("kv_pages_used", "KV cache pages in use")
+        self.pages_free = g("kv_pages_free", "KV cache pages free")
+        self.pages_total = g("kv_pages_total", "KV cache pages in the pool")
+        self.hit_rate = g("prefix_cache_hit_rate",
+                          "prompt tokens reused from cached pages / prompt tokens, since start")
+        self.recent: list[tuple[float, int]] = []  # (time, tokens) of each step, last 10 s
+        g("generation_tokens_per_second", "generated tokens per second over the last 10 s"
+          ).set_function(self._tokens_per_s)
+        self.prompt_tokens = prom.Counter("gpt_jax:prompt_tokens", "prompt tokens admitted",
+                                          registry=r)
+        self.generation_tokens = prom.Counter("gpt_jax:generation_tokens", "tokens generated",
+                                              registry=r)
+        self.finished = prom.Counter("gpt_jax:request_success", "samples finished",
+                                     ["finished_reason"], registry=r)
+        self.ttft = prom.Histogram(
+            "gpt_jax:time_to_first_token_seconds", "request arrival to its first token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.tpot = prom.Histogram(
+            "gpt_jax:time_per_output_token_seconds", "per sample: (finish - first token) / "
+            "(tokens - 1)", buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r)
+
+    def update(self, stats: dict, page_size: int, now: float, new_tokens: int) -> None:
+        self.running.set(stats["running"] + stats["prefilling"])
+        self.waiting.set(stats["waiting"])
+        self.pages_used.set(stats["pages_in_use"])
+        self.pages_free.set(stats["free_pages"])
+        self.pages_total.set(stats["total_pages"])
+        reused = stats["prefix_cache_hits"] * page_size
+        self.hit_rate.set(reused / max(1, reused + stats["prefilled_tokens"]))
+        self.generation_tokens.inc(new_tokens)
+        if new_tokens:  # a new list, so a scrape on another thread reads a whole one
+            self.recent = [(t, k) for t, k in self.recent if now - t <= WINDOW_S] + \
+                [(now, new_tokens)]
+
+    def _tokens_per_s(self) -> float:
+        now = time.monotonic()
+        return sum(k for t, k in self.recent if now - t <= WINDOW_S) / WINDOW_S
