@@ -32,6 +32,10 @@ def installed(tmp_path_factory):
     """`(python, env, home)`: a fresh venv holding the wheel, an environment with PYTHONPATH
     unset and HOME (so the kernel cache) in a temporary directory."""
     tmp = tmp_path_factory.mktemp("wheel")
+    # PYTHONPATH unset for pip too: on a path holding the checkout (and its egg-info from an
+    # editable install), pip takes gpt-jax as installed already and skips the wheel.
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTHONPATH", "XDG_CACHE_HOME", "GPT_JAX_CPU_KERNEL")}
     source = tmp / "source"  # a copy, so the build writes nothing into the checkout
     source.mkdir()
     for name in SHIPPED:
@@ -41,13 +45,13 @@ def installed(tmp_path_factory):
         else:
             shutil.copy2(ROOT / name, source / name)
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-          "-w", str(tmp / "dist"), str(source)], cwd=tmp)
+          "-w", str(tmp / "dist"), str(source)], cwd=tmp, env=env)
     wheel, = (tmp / "dist").glob("gpt_jax-*.whl")
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
     _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-          "--no-index", "-q", str(wheel)], cwd=tmp)
+          "--no-index", "-q", str(wheel)], cwd=tmp, env=env)
     site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
                       "['purelib'])"]).stdout.strip())
     # The dependencies (jax, flax, ...) from this environment: a path in a .pth file is
@@ -57,8 +61,6 @@ def installed(tmp_path_factory):
     (site / "test_dependencies.pth").write_text("\n".join(sorted(paths)) + "\n")
     home = tmp / "home"
     home.mkdir()
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("PYTHONPATH", "XDG_CACHE_HOME", "GPT_JAX_CPU_KERNEL")}
     env.update(HOME=str(home), PATH=f"{env_dir / 'bin'}{os.pathsep}{env['PATH']}")
     return python, env, home
 
