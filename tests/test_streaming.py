@@ -2,7 +2,12 @@
 it (the official `openai` client, and the raw bytes on the wire), against the same request
 answered at once."""
 
-from serving import client, llm, solo  # noqa: F401 (fixtures)
+import json
+import re
+
+import httpx2 as httpx
+
+from serving import KEY, client, llm, solo, url  # noqa: F401 (fixtures)
 
 
 def joined(stream) -> dict[int, dict]:
@@ -40,3 +45,24 @@ def test_streamed_logprobs_join_to_the_response_with_n2_and_stop_strings(client,
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
         assert c.logprobs.text_offset == list(range(len(c.logprobs.tokens)))  # 1 char each
 
+
+SSE = re.compile(r"(?:data: (\{[^\n]*\})\n\n)+data: \[DONE\]\n\n")
+
+
+def test_a_stream_is_sse_events_ending_with_done_on_the_wire(url):
+    """The bytes of a stream: `data: {json}` events, each ended by a blank line, and
+    `data: [DONE]` last (the `openai` client does not mind a missing [DONE]; a browser's
+    reader or another client may wait for it)."""
+    body = {"prompt": ["AB", "CD"], "max_tokens": 12, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        wire = r.read().decode()
+    assert SSE.fullmatch(wire), wire[-300:]
+    events = [json.loads(e) for e in re.findall(r"^data: (\{.*\})$", wire, re.M)]
+    assert all(e["object"] == "text_completion" for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 48
+    finished = [c["index"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert sorted(finished) == [0, 1, 2, 3]
