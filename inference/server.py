@@ -40,12 +40,14 @@ import secrets
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Callable
 
 import prometheus_client as prom
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
@@ -76,6 +78,7 @@ class ServerConfig:
     eos_token_id: int | None = None  # ends a completion (finish_reason "stop") when sampled
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for requests in flight
     max_body_bytes: int = 8 << 20  # a larger request body is refused (413) unread
+    allowed_origins: tuple[str, ...] = ()  # CORS: pages on these origins ("*": any) may call
 
 
 class Server:
@@ -236,6 +239,11 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="gpt-jax", lifespan=lifespan)
     app.state.server = server
+    if cfg.allowed_origins:  # none: browsers let only the server's own page call it
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"],
+                           expose_headers=["Retry-After"])
     _error_handlers(app)
     _info_routes(app, server)
     _completion_routes(app, server)
@@ -354,6 +362,20 @@ async def _answer(server: Server, body: CompletionRequest, prompts: list[list[in
 
 # ---------------------------------------------------------------------- command line
 
+def parse_origins(values: list[str] | None) -> tuple[str, ...]:
+    """The origins of `--allowed-origins` values (repeated, or comma-separated). Raises
+    ValueError for one that is not `*` or `scheme://host[:port]` (a browser's Origin header
+    has no path, so "http://a.test/" would never match)."""
+    origins = tuple(o.strip() for value in values or [] for o in value.split(",") if o.strip())
+    for origin in origins:
+        parts = urllib.parse.urlsplit(origin)
+        if origin != "*" and not (parts.scheme and parts.netloc and origin.endswith(
+                parts.netloc)):
+            raise ValueError(f"--allowed-origins {origin!r} is not an origin; allowed: "
+                             "scheme://host[:port] (no path), or * for any")
+    return origins
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gpt-jax serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -371,6 +393,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="most completions waiting beyond the slots before 429")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
+    p.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
+                   help="origins (scheme://host[:port], comma-separated or repeated; * for "
+                        "any) whose browser pages may call the server (CORS); default: none, "
+                        "only the server's own page")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight")
     p.add_argument("--no-warmup", action="store_true",
@@ -392,9 +418,13 @@ def main(argv=None) -> None:
     source = Path(args.hf_checkpoint or args.run_dir)
     if not source.is_dir():
         raise SystemExit(f"gpt-jax serve: {source} is not a directory")
+    try:
+        origins = parse_origins(args.allowed_origins)
+    except ValueError as error:
+        raise SystemExit(f"gpt-jax serve: {error}") from None
     cfg = ServerConfig(model_name=args.served_model_name or source.resolve().name,
                        api_key=args.api_key, max_queue=args.max_queue,
-                       shutdown_timeout=args.shutdown_timeout)
+                       shutdown_timeout=args.shutdown_timeout, allowed_origins=origins)
     try:  # a model that cannot load stops here, before the server listens
         params, config, tokenizer, eos = load_model(args)
         if tokenizer is None:

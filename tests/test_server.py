@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,8 +27,8 @@ import uvicorn
 from conftest import free_port
 from inference import Engine
 from inference.server import ServerConfig
-from serving import (KEY, TOKENIZER, client, llm, metric, running, save_run,  # noqa: F401
-                     solo, url, wait_ready)
+from serving import (KEY, SLOTS, TOKENIZER, client, llm, metric, running,  # noqa: F401
+                     save_run, solo, url, wait_ready)
 
 
 # ---------------------------------------------------------------------- 1. completions
@@ -356,6 +357,55 @@ def test_a_client_that_disconnects_has_its_request_aborted_and_pages_freed(confi
             generated = metric(base, "gpt_jax:generation_tokens_total") - tokens_before
             assert generated < 120, "the request ran to the end after its client had gone"
             assert metric(base, "gpt_jax:num_requests_running") == 0
+
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization,content-type"}
+
+
+@pytest.mark.parametrize("allowed, origin, answered", [
+    (("http://page.test", "http://b.test"), "http://page.test", "http://page.test"),
+    (("*",), "http://any.test", "*"),
+    (("http://page.test",), "http://other.test", None),
+    ((), "http://page.test", None),
+], ids=["listed", "any", "refused", "same-origin-only"])
+def test_a_page_on_an_allowed_origin_may_call_the_server(config, params, allowed, origin,
+                                                         answered):
+    """Fault (issue 41): a browser page on another origin could not call the server
+    (OPTIONS answered 405, no Access-Control-* headers). `--allowed-origins` lists the
+    origins whose preflight and requests are answered with them (`*`: any); by default
+    none, so only the server's own page (the same origin) calls it."""
+    cfg = ServerConfig("tiny", api_key=KEY, allowed_origins=allowed)
+    with running(lambda: Engine(params, config, TOKENIZER, max_slots=SLOTS), cfg) as base:
+        preflight = httpx.options(f"{base}/v1/completions",
+                                  headers={"Origin": origin, **PREFLIGHT})
+        wait_ready(base)
+        models = httpx.get(f"{base}/v1/models", headers={
+            "Origin": origin, "Authorization": f"Bearer {KEY}"})
+    assert models.status_code == 200
+    assert models.headers.get("access-control-allow-origin") == answered
+    assert preflight.headers.get("access-control-allow-origin") == answered
+    if answered:
+        assert preflight.status_code == 200
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        allowed_headers = preflight.headers["access-control-allow-headers"].lower()
+        assert "authorization" in allowed_headers and "content-type" in allowed_headers
+    elif allowed:  # refused: starlette answers 400 without the origin, the browser stops
+        assert preflight.status_code == 400
+    else:  # no CORS at all
+        assert preflight.status_code == 405
+        assert not any(h.startswith("access-control-") for h in preflight.headers)
+
+
+def test_allowed_origins_are_repeatable_or_comma_separated_and_checked():
+    from inference.server import parse_origins
+
+    assert parse_origins(None) == ()
+    assert parse_origins(["http://a.test, https://b.test:8443", "*"]) == (
+        "http://a.test", "https://b.test:8443", "*")
+    for bad in ("a.test", "http://a.test/", "http://a.test/page"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            parse_origins([bad])
 
 
 # ---------------------------------------------------------------------- 4. the page
