@@ -25,14 +25,14 @@ A client that disconnects has its requests aborted, which frees their pages. On 
 uvicorn stops accepting connections and waits (at most `--shutdown-timeout` seconds) for the
 requests in flight to finish.
 
-This file is the app: its routes, admission, startup and shutdown, and `main`. The API's
+This file is the app: its routes, admission, startup and shutdown; the command (its flags,
+the port, signals) is `inference.serve`. The API's
 request model, errors and response shapes are `inference.api`; a completion in flight
 (collected or streamed) is `inference.streaming`; the metrics are `inference.metrics`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -40,7 +40,6 @@ import secrets
 import sys
 import threading
 import time
-import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -59,7 +58,6 @@ from inference.api import (APIError, CompletionRequest, request_error, to_sampli
 from inference.engine import Engine
 from inference.engine_loop import EngineLoop, Submission
 from inference.errors import RequestError
-from inference.load import add_model_args, load_model
 from inference.metrics import Metrics
 from inference.sampling_params import SamplingParams
 from inference.streaming import InFlight, started
@@ -84,8 +82,9 @@ class ServerConfig:
 class Server:
     """The app's state: the engine loop once loaded, the admission count, the metrics."""
 
-    def __init__(self, load: Callable[[], Engine], cfg: ServerConfig):
-        self.load, self.cfg = load, cfg
+    def __init__(self, load: Callable[[], Engine], cfg: ServerConfig,
+                 on_ready: Callable[[], None]):
+        self.load, self.cfg, self.on_ready = load, cfg, on_ready
         self.metrics = Metrics()
         prom.Gauge("gpt_jax:num_completions_in_flight", "completions (prompts x n) accepted "
                    "and not yet answered: what --max-queue bounds",
@@ -102,6 +101,8 @@ class Server:
                 self.load_error = error
                 print(f"gpt-jax serve: the model failed to load: {error!r}", file=sys.stderr,
                       flush=True)
+            else:
+                self.on_ready()
         threading.Thread(target=load, name="load-model", daemon=True).start()
 
     def engine(self) -> Engine:
@@ -225,10 +226,12 @@ def _engine_error(error: BaseException) -> APIError:
 
 # ---------------------------------------------------------------------- the app
 
-def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
+def create_app(load: Callable[[], Engine], cfg: ServerConfig,
+               on_ready: Callable[[], None] = lambda: None) -> FastAPI:
     """The FastAPI app. `load` builds the Engine (weights, warmup); it runs in a thread at
-    startup, and requests get 503 until it returns."""
-    server = Server(load, cfg)
+    startup, and requests get 503 until it returns; then `on_ready` is called (in that
+    thread)."""
+    server = Server(load, cfg, on_ready)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -358,100 +361,3 @@ async def _answer(server: Server, body: CompletionRequest, prompts: list[list[in
         return await flight.collect(first, request)
     finally:
         flight.close()
-
-
-# ---------------------------------------------------------------------- command line
-
-def parse_origins(values: list[str] | None) -> tuple[str, ...]:
-    """The origins of `--allowed-origins` values (repeated, or comma-separated). Raises
-    ValueError for one that is not `*` or `scheme://host[:port]` (a browser's Origin header
-    has no path, so "http://a.test/" would never match)."""
-    origins = tuple(o.strip() for value in values or [] for o in value.split(",") if o.strip())
-    for origin in origins:
-        parts = urllib.parse.urlsplit(origin)
-        if origin != "*" and not (parts.scheme and parts.netloc and origin.endswith(
-                parts.netloc)):
-            raise ValueError(f"--allowed-origins {origin!r} is not an origin; allowed: "
-                             "scheme://host[:port] (no path), or * for any")
-    return origins
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpt-jax serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients send (default: the run or checkpoint "
-                        "directory's name)")
-    p.add_argument("--max-slots", type=int, default=16, help="samples decoded at once")
-    p.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV page pool size in bytes (default: every slot can hold the "
-                        "model's context)")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="most completions waiting beyond the slots before 429")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
-    p.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
-                   help="origins (scheme://host[:port], comma-separated or repeated; * for "
-                        "any) whose browser pages may call the server (CORS); default: none, "
-                        "only the server's own page")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for requests in flight")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="compile each program on first use instead of before serving")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> None:
-    import uvicorn
-
-    args = parse_args(argv)
-    for name, low, high in (("max_slots", 1, None), ("max_queue", 0, None),
-                            ("port", 1, 65535)):
-        value = getattr(args, name)
-        if value < low or (high is not None and value > high):
-            allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
-            raise SystemExit(f"gpt-jax serve: --{name.replace('_', '-')} must be {allowed}, "
-                             f"got {value}")
-    source = Path(args.hf_checkpoint or args.run_dir)
-    if not source.is_dir():
-        raise SystemExit(f"gpt-jax serve: {source} is not a directory")
-    try:
-        origins = parse_origins(args.allowed_origins)
-    except ValueError as error:
-        raise SystemExit(f"gpt-jax serve: {error}") from None
-    cfg = ServerConfig(model_name=args.served_model_name or source.resolve().name,
-                       api_key=args.api_key, max_queue=args.max_queue,
-                       shutdown_timeout=args.shutdown_timeout, allowed_origins=origins)
-    try:  # a model that cannot load stops here, before the server listens
-        params, config, tokenizer, eos = load_model(args)
-        if tokenizer is None:
-            raise ValueError(f"{source} has no tokenizer")
-        engine = Engine(params, config, tokenizer, max_slots=args.max_slots,
-                        kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
-                        quantize=args.quantize)
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"gpt-jax serve: {error}") from error
-    cfg.eos_token_id = eos
-
-    def load() -> Engine:
-        """Compile the engine's programs (the slow part) while /health answers 503."""
-        if not args.no_warmup:
-            print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} slots); "
-                  "/health answers 503 until they are ready", flush=True)
-            tick = time.monotonic()
-            compiled = engine.warmup()
-            print(f"gpt-jax serve: {compiled} programs compiled in "
-                  f"{time.monotonic() - tick:.0f} s", flush=True)
-        print(f"gpt-jax serve: {cfg.model_name} ready on http://{args.host}:{args.port}",
-              flush=True)
-        return engine
-
-    uvicorn.run(create_app(load, cfg), host=args.host, port=args.port,
-                timeout_graceful_shutdown=args.shutdown_timeout + 5, log_level="warning")
-
-
-if __name__ == "__main__":
-    main()
