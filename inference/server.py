@@ -2,7 +2,7 @@ r"""`gpt-jax serve`: an OpenAI-compatible HTTP server on the serving `Engine`.
 
     gpt-jax serve --run-dir runs/shakespeare-char --port 8000
     curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
-        -d '{"model": "shakespeare-char", "prompt": "ROMEO:", "max_tokens": 50}'
+        -d '{"model": "shakespeare-char", "prompt": "Romeo.\n", "max_tokens": 50}'
 
 or any OpenAI client: `openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)`.
 

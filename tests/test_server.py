@@ -441,6 +441,26 @@ def test_the_playground_page_streams_text_in_a_real_browser(url, llm):
         driver.quit()
 
 
+def test_the_page_and_server_examples_mark_speakers_as_the_corpus_does():
+    """Fault (issue 41, found by a new user): the page's default prompt and the server's
+    examples began `ROMEO:`, a mark the model never saw: the corpus marks speakers `Romeo.`
+    (training/demo.py's PROMPTS). Each example prompt is one of the demo's."""
+    from pathlib import Path
+
+    from inference import server
+    from training.demo import PROMPTS
+
+    root = Path(__file__).parent.parent
+    page = (root / "inference" / "playground.html").read_text()
+    examples = re.findall(r'<textarea id="prompt"[^>]*>([^<]*)</textarea>', page)
+    for text in ((root / "README.md").read_text(), server.__doc__):
+        examples += [json.loads(f'"{p}"') for groups in
+                     re.findall(r'\bprompt="([^"]*)"|"prompt": "([^"]*)"', text)
+                     for p in groups if p]
+    assert len(examples) >= 4, examples
+    assert [e for e in examples if e not in PROMPTS and e + "\n" not in PROMPTS] == []
+
+
 # ---------------------------------------------------------------------- the process
 
 def test_gpt_jax_serve_finishes_requests_in_flight_on_sigterm(tmp_path, config, params, llm):
