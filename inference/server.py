@@ -23,7 +23,7 @@ Threads: uvicorn's event loop serves HTTP; one engine thread owns the `Engine`
 (`inference.engine_loop`), handing every `RequestOutput` to its HTTP request's asyncio queue.
 A client that disconnects has its requests aborted, which frees their pages. On SIGTERM
 uvicorn stops accepting connections and waits (at most `--shutdown-timeout` seconds) for the
-requests in flight to finish.
+requests in flight to finish; then the command exits 0.
 
 This file is the app: its routes, admission, startup and shutdown; the command (its flags,
 the port, signals) is `inference.serve`. The API's
