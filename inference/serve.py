@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    """`gpt-jax serve ARGV`: the flags checked, the port taken, the model loaded, then the
+    app served until SIGTERM or Ctrl-C."""
     args = parse_args(argv)
     for name, low, high in (("max_slots", 1, None), ("max_queue", 0, None),
                             ("port", 1, 65535)):
