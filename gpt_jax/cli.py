@@ -2,7 +2,7 @@
 `gpt-jax CMD --help`.
 
 The dispatcher only: each command lives where its job is (`training.data`, `training.train`,
-`inference.cli`, `inference.server`, `inference.export`, `training.demo`,
+`inference.cli`, `inference.serve`, `inference.export`, `training.demo`,
 benchmarks/bench.py) and is imported here lazily, when it is asked for. This module is the
 model package's one documented exception to "gpt_jax imports nothing above it"
 (tests/test_cli.py holds the import graph to that); nothing imports it back.
@@ -19,7 +19,7 @@ commands:
   data       download the built-in Shakespeare corpus and print its size
   train      train a model (python -m training.train)
   generate   generate text from a trained run (python -m inference.cli)
-  serve      an OpenAI-compatible HTTP server on the serving engine (inference.server)
+  serve      an OpenAI-compatible HTTP server on the serving engine (inference.serve)
   export     the whole generation program, weights inside, as one jax.export file that
              a process with only jax runs (inference.export)
   demo       data, train shakespeare-char within a time budget (once), generate (make demo)
@@ -60,7 +60,7 @@ def dispatch(argv: list[str], own_process: bool) -> int:
 
         generate_main(rest)
     elif command == "serve":
-        from inference.server import main as serve_main
+        from inference.serve import main as serve_main
 
         serve_main(rest)
     elif command == "export":

@@ -183,6 +183,17 @@ def logprobs(tokenizer, out: RequestOutput, start: int, text_offset: int) -> dic
     tokens = [decode([t]) for t in ids]
     offsets = [text_offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
     return {"tokens": tokens, "token_logprobs": out.logprobs[start:],
-            "top_logprobs": [{decode([t]): lp for t, lp in top.items()}
-                             for top in out.top_logprobs[start:]],
+            "top_logprobs": [top_by_text(decode, top) for top in out.top_logprobs[start:]],
             "text_offset": offsets}
+
+
+def top_by_text(decode, top: dict[int, float]) -> dict[str, float]:
+    """A step's most likely tokens (id -> logprob) keyed by their text, as OpenAI's
+    top_logprobs are. Several tokens can decode to one text (a byte-level BPE shows each
+    part of a UTF-8 character as "\\ufffd"): the best of them is kept."""
+    by_text: dict[str, float] = {}
+    for token, logprob in top.items():
+        text = decode([token])
+        if logprob > by_text.get(text, -math.inf):
+            by_text[text] = logprob
+    return by_text

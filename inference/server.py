@@ -2,7 +2,7 @@ r"""`gpt-jax serve`: an OpenAI-compatible HTTP server on the serving `Engine`.
 
     gpt-jax serve --run-dir runs/shakespeare-char --port 8000
     curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
-        -d '{"model": "shakespeare-char", "prompt": "ROMEO:", "max_tokens": 50}'
+        -d '{"model": "shakespeare-char", "prompt": "Romeo.\n", "max_tokens": 50}'
 
 or any OpenAI client: `openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)`.
 
@@ -23,16 +23,16 @@ Threads: uvicorn's event loop serves HTTP; one engine thread owns the `Engine`
 (`inference.engine_loop`), handing every `RequestOutput` to its HTTP request's asyncio queue.
 A client that disconnects has its requests aborted, which frees their pages. On SIGTERM
 uvicorn stops accepting connections and waits (at most `--shutdown-timeout` seconds) for the
-requests in flight to finish.
+requests in flight to finish; then the command exits 0.
 
-This file is the app: its routes, admission, startup and shutdown, and `main`. The API's
+This file is the app: its routes, admission, startup and shutdown; the command (its flags,
+the port, signals) is `inference.serve`. The API's
 request model, errors and response shapes are `inference.api`; a completion in flight
 (collected or streamed) is `inference.streaming`; the metrics are `inference.metrics`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -46,6 +46,7 @@ from typing import Callable
 
 import prometheus_client as prom
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
@@ -57,7 +58,6 @@ from inference.api import (APIError, CompletionRequest, request_error, to_sampli
 from inference.engine import Engine
 from inference.engine_loop import EngineLoop, Submission
 from inference.errors import RequestError
-from inference.load import add_model_args, load_model
 from inference.metrics import Metrics
 from inference.sampling_params import SamplingParams
 from inference.streaming import InFlight, started
@@ -76,13 +76,15 @@ class ServerConfig:
     eos_token_id: int | None = None  # ends a completion (finish_reason "stop") when sampled
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for requests in flight
     max_body_bytes: int = 8 << 20  # a larger request body is refused (413) unread
+    allowed_origins: tuple[str, ...] = ()  # CORS: pages on these origins ("*": any) may call
 
 
 class Server:
     """The app's state: the engine loop once loaded, the admission count, the metrics."""
 
-    def __init__(self, load: Callable[[], Engine], cfg: ServerConfig):
-        self.load, self.cfg = load, cfg
+    def __init__(self, load: Callable[[], Engine], cfg: ServerConfig,
+                 on_ready: Callable[[], None]):
+        self.load, self.cfg, self.on_ready = load, cfg, on_ready
         self.metrics = Metrics()
         prom.Gauge("gpt_jax:num_completions_in_flight", "completions (prompts x n) accepted "
                    "and not yet answered: what --max-queue bounds",
@@ -99,6 +101,8 @@ class Server:
                 self.load_error = error
                 print(f"gpt-jax serve: the model failed to load: {error!r}", file=sys.stderr,
                       flush=True)
+            else:
+                self.on_ready()
         threading.Thread(target=load, name="load-model", daemon=True).start()
 
     def engine(self) -> Engine:
@@ -222,10 +226,12 @@ def _engine_error(error: BaseException) -> APIError:
 
 # ---------------------------------------------------------------------- the app
 
-def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
+def create_app(load: Callable[[], Engine], cfg: ServerConfig,
+               on_ready: Callable[[], None] = lambda: None) -> FastAPI:
     """The FastAPI app. `load` builds the Engine (weights, warmup); it runs in a thread at
-    startup, and requests get 503 until it returns."""
-    server = Server(load, cfg)
+    startup, and requests get 503 until it returns; then `on_ready` is called (in that
+    thread)."""
+    server = Server(load, cfg, on_ready)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -236,6 +242,11 @@ def create_app(load: Callable[[], Engine], cfg: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="gpt-jax", lifespan=lifespan)
     app.state.server = server
+    if cfg.allowed_origins:  # none: browsers let only the server's own page call it
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"],
+                           expose_headers=["Retry-After"])
     _error_handlers(app)
     _info_routes(app, server)
     _completion_routes(app, server)
@@ -350,78 +361,3 @@ async def _answer(server: Server, body: CompletionRequest, prompts: list[list[in
         return await flight.collect(first, request)
     finally:
         flight.close()
-
-
-# ---------------------------------------------------------------------- command line
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpt-jax serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients send (default: the run or checkpoint "
-                        "directory's name)")
-    p.add_argument("--max-slots", type=int, default=16, help="samples decoded at once")
-    p.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV page pool size in bytes (default: every slot can hold the "
-                        "model's context)")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="most completions waiting beyond the slots before 429")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for requests in flight")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="compile each program on first use instead of before serving")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> None:
-    import uvicorn
-
-    args = parse_args(argv)
-    for name, low, high in (("max_slots", 1, None), ("max_queue", 0, None),
-                            ("port", 1, 65535)):
-        value = getattr(args, name)
-        if value < low or (high is not None and value > high):
-            allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
-            raise SystemExit(f"gpt-jax serve: --{name.replace('_', '-')} must be {allowed}, "
-                             f"got {value}")
-    source = Path(args.hf_checkpoint or args.run_dir)
-    if not source.is_dir():
-        raise SystemExit(f"gpt-jax serve: {source} is not a directory")
-    cfg = ServerConfig(model_name=args.served_model_name or source.resolve().name,
-                       api_key=args.api_key, max_queue=args.max_queue,
-                       shutdown_timeout=args.shutdown_timeout)
-    try:  # a model that cannot load stops here, before the server listens
-        params, config, tokenizer, eos = load_model(args)
-        if tokenizer is None:
-            raise ValueError(f"{source} has no tokenizer")
-        engine = Engine(params, config, tokenizer, max_slots=args.max_slots,
-                        kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
-                        quantize=args.quantize)
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"gpt-jax serve: {error}") from error
-    cfg.eos_token_id = eos
-
-    def load() -> Engine:
-        """Compile the engine's programs (the slow part) while /health answers 503."""
-        if not args.no_warmup:
-            print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} slots); "
-                  "/health answers 503 until they are ready", flush=True)
-            tick = time.monotonic()
-            compiled = engine.warmup()
-            print(f"gpt-jax serve: {compiled} programs compiled in "
-                  f"{time.monotonic() - tick:.0f} s", flush=True)
-        print(f"gpt-jax serve: {cfg.model_name} ready on http://{args.host}:{args.port}",
-              flush=True)
-        return engine
-
-    uvicorn.run(create_app(load, cfg), host=args.host, port=args.port,
-                timeout_graceful_shutdown=args.shutdown_timeout + 5, log_level="warning")
-
-
-if __name__ == "__main__":
-    main()

@@ -85,7 +85,9 @@ class InFlight:
         then a usage chunk when asked, then [DONE]."""
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         sent_tokens: dict[int, int] = {}
-        sent_chars: dict[int, int] = {}
+        # a choice's next token's text_offset: the characters of the tokens sent, not of the
+        # text sent (text that might start a stop string is held back, its tokens are not)
+        offsets: dict[int, int] = {}
         outs: dict[int, RequestOutput] = {}
         item = first
         try:
@@ -99,11 +101,11 @@ class InFlight:
                 start = sent_tokens.get(k, 0)
                 if out.new_text or out.finished or (self.body.logprobs is not None
                                                     and len(out.token_ids) > start):
-                    text = out.new_text or ""
-                    chunk = api.choice(k, out, text,
-                                       self._logprobs(out, start, sent_chars.get(k, 0)))
+                    logprobs = self._logprobs(out, start, offsets.get(k, 0))
+                    if logprobs is not None:
+                        offsets[k] = offsets.get(k, 0) + sum(map(len, logprobs["tokens"]))
+                    chunk = api.choice(k, out, out.new_text or "", logprobs)
                     sent_tokens[k] = len(out.token_ids)
-                    sent_chars[k] = sent_chars.get(k, 0) + len(text)
                     yield {"data": json.dumps(self._chunk([chunk], include_usage))}
                 if len(self.done) == self.samples:
                     break

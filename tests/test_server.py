@@ -22,75 +22,12 @@ import httpx2 as httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
-from conftest import free_port
-from gpt_jax import checkpoint
-from gpt_jax.tokenizer import CharTokenizer
-from inference import LLM, Engine, SamplingParams
-from inference.server import ServerConfig, create_app
-
-KEY = "test-key"
-SLOTS = 8  # the server's and the reference LLM's: the same shapes, compiled once
-TOKENIZER = CharTokenizer([chr(ord("0") + i) for i in range(64)])  # "0".."o": 64 characters
-
-
-@contextlib.contextmanager
-def running(load, cfg: ServerConfig):
-    """uvicorn serving create_app(load, cfg) on 127.0.0.1 in a thread; yields the base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(load, cfg), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
-def wait_ready(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{url}/health").status_code != 200:
-        assert time.monotonic() < deadline, "the server did not become ready"
-        time.sleep(0.05)
-
-
-def metric(url: str, name: str) -> float:
-    """One sample of the server's /metrics, by its full name with labels."""
-    text = httpx.get(f"{url}/metrics").text
-    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert found, f"{name} not in /metrics:\n{text}"
-    return float(found.group(1))
-
-
-@pytest.fixture(scope="module")
-def llm(config, params):
-    return LLM(params, config, TOKENIZER)
-
-
-@pytest.fixture(scope="module")
-def url(config, params):
-    cfg = ServerConfig("tiny", api_key=KEY, max_queue=64)
-    with running(lambda: Engine(params, config, TOKENIZER, max_slots=SLOTS), cfg) as base:
-        wait_ready(base)
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-
-
-def solo(llm, prompt: str, **fields):
-    """LLM.generate of this request alone."""
-    return llm.generate([prompt], SamplingParams(**fields), max_batch_size=SLOTS,
-                        progress=False)
+from conftest import free_port, taken_port
+from inference import Engine
+from inference.server import ServerConfig
+from serving import (KEY, SLOTS, TOKENIZER, client, llm, metric, running,  # noqa: F401
+                     save_run, solo, url, wait_ready)
 
 
 # ---------------------------------------------------------------------- 1. completions
@@ -421,6 +358,55 @@ def test_a_client_that_disconnects_has_its_request_aborted_and_pages_freed(confi
             assert metric(base, "gpt_jax:num_requests_running") == 0
 
 
+PREFLIGHT = {"Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization,content-type"}
+
+
+@pytest.mark.parametrize("allowed, origin, answered", [
+    (("http://page.test", "http://b.test"), "http://page.test", "http://page.test"),
+    (("*",), "http://any.test", "*"),
+    (("http://page.test",), "http://other.test", None),
+    ((), "http://page.test", None),
+], ids=["listed", "any", "refused", "same-origin-only"])
+def test_a_page_on_an_allowed_origin_may_call_the_server(config, params, allowed, origin,
+                                                         answered):
+    """Fault (issue 41): a browser page on another origin could not call the server
+    (OPTIONS answered 405, no Access-Control-* headers). `--allowed-origins` lists the
+    origins whose preflight and requests are answered with them (`*`: any); by default
+    none, so only the server's own page (the same origin) calls it."""
+    cfg = ServerConfig("tiny", api_key=KEY, allowed_origins=allowed)
+    with running(lambda: Engine(params, config, TOKENIZER, max_slots=SLOTS), cfg) as base:
+        preflight = httpx.options(f"{base}/v1/completions",
+                                  headers={"Origin": origin, **PREFLIGHT})
+        wait_ready(base)
+        models = httpx.get(f"{base}/v1/models", headers={
+            "Origin": origin, "Authorization": f"Bearer {KEY}"})
+    assert models.status_code == 200
+    assert models.headers.get("access-control-allow-origin") == answered
+    assert preflight.headers.get("access-control-allow-origin") == answered
+    if answered:
+        assert preflight.status_code == 200
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        allowed_headers = preflight.headers["access-control-allow-headers"].lower()
+        assert "authorization" in allowed_headers and "content-type" in allowed_headers
+    elif allowed:  # refused: starlette answers 400 without the origin, the browser stops
+        assert preflight.status_code == 400
+    else:  # no CORS at all
+        assert preflight.status_code == 405
+        assert not any(h.startswith("access-control-") for h in preflight.headers)
+
+
+def test_allowed_origins_are_repeatable_or_comma_separated_and_checked():
+    from inference.serve import parse_origins
+
+    assert parse_origins(None) == ()
+    assert parse_origins(["http://a.test, https://b.test:8443", "*"]) == (
+        "http://a.test", "https://b.test:8443", "*")
+    for bad in ("a.test", "http://a.test/", "http://a.test/page"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            parse_origins([bad])
+
+
 # ---------------------------------------------------------------------- 4. the page
 
 def test_the_playground_page_streams_text_in_a_real_browser(url, llm):
@@ -455,13 +441,30 @@ def test_the_playground_page_streams_text_in_a_real_browser(url, llm):
         driver.quit()
 
 
+def test_the_page_and_server_examples_mark_speakers_as_the_corpus_does():
+    """Fault (issue 41, found by a new user): the page's default prompt and the server's
+    examples began `ROMEO:`, a mark the model never saw: the corpus marks speakers `Romeo.`
+    (training/demo.py's PROMPTS). Each example prompt is one of the demo's."""
+    from pathlib import Path
+
+    from inference import server
+    from training.demo import PROMPTS
+
+    root = Path(__file__).parent.parent
+    page = (root / "inference" / "playground.html").read_text()
+    examples = re.findall(r'<textarea id="prompt"[^>]*>([^<]*)</textarea>', page)
+    for text in ((root / "README.md").read_text(), server.__doc__):
+        examples += [json.loads(f'"{p}"') for groups in
+                     re.findall(r'\bprompt="([^"]*)"|"prompt": "([^"]*)"', text)
+                     for p in groups if p]
+    assert len(examples) >= 4, examples
+    assert [e for e in examples if e not in PROMPTS and e + "\n" not in PROMPTS] == []
+
+
 # ---------------------------------------------------------------------- the process
 
 def test_gpt_jax_serve_finishes_requests_in_flight_on_sigterm(tmp_path, config, params, llm):
-    run_dir = tmp_path / "run"
-    checkpoint.save_config(run_dir, config)
-    checkpoint.save_tokenizer(run_dir, TOKENIZER)
-    checkpoint.save(checkpoint.manager(run_dir), 1, params, params, {"step": 1})
+    run_dir = save_run(tmp_path / "run", config, params)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpt_jax.cli", "serve", "--run-dir", str(run_dir), "--port",
@@ -470,14 +473,11 @@ def test_gpt_jax_serve_finishes_requests_in_flight_on_sigterm(tmp_path, config, 
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "gpt-jax serve did not become ready"
-            time.sleep(0.2)
+        # "ready" only once it listens with the model loaded (with --no-warmup it was
+        # printed before uvicorn bound the port): no polling
+        printed = "".join(iter_until(proc.stdout, " ready on "))
+        assert " ready on " in printed, printed
+        assert httpx.get(f"{base}/health").status_code == 200
         body = {"model": "run", "prompt": "ABC", "max_tokens": 100, "temperature": 0,
                 "stream": True}
         text, events = "", []
@@ -495,15 +495,38 @@ def test_gpt_jax_serve_finishes_requests_in_flight_on_sigterm(tmp_path, config, 
         text = "".join(c["text"] for c in chunks)
         assert text == solo(llm, "ABC", max_new_tokens=100, temperature=0.0)[0].text
         assert chunks[-1]["finish_reason"] == "length"
-        # uvicorn re-raises the signal once its graceful shutdown is done, so a supervisor
-        # sees the process end by SIGTERM, as it asked
-        assert proc.wait(timeout=30) == -signal.SIGTERM
+        # a clean drain exits 0 (uvicorn re-raised the signal it drained for: 143)
+        assert proc.wait(timeout=30) == 0
         assert "Traceback" not in proc.stdout.read()
         with pytest.raises(httpx.TransportError):  # no longer admitting
             httpx.get(f"{base}/health")
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def iter_until(lines, mark: str):
+    """`lines` up to and including the first that contains `mark` (all of them if none)."""
+    for line in lines:
+        yield line
+        if mark in line:
+            return
+
+
+@pytest.mark.parametrize("warmup", [[], ["--no-warmup"]], ids=["warmup", "no-warmup"])
+def test_serve_on_a_port_in_use_exits_1_naming_it_before_loading(tmp_path, config, params,
+                                                                 warmup):
+    """Fault (issue 41, found by a new user): on a port in use, `gpt-jax serve` compiled,
+    then aborted (exit 134, "terminate called after throwing ..."); with --no-warmup it
+    printed "ready" first. The port is now taken before anything loads."""
+    run_dir = save_run(tmp_path / "run", config, params)
+    with taken_port() as port:
+        done = subprocess.run(
+            [sys.executable, "-m", "gpt_jax.cli", "serve", "--run-dir", str(run_dir),
+             "--port", str(port), *warmup], capture_output=True, text=True, timeout=300,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert (done.returncode, done.stdout) == (1, ""), done
+    assert done.stderr == f"gpt-jax serve: port {port} on 127.0.0.1 is in use\n"
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -519,18 +542,16 @@ def test_serve_refuses_bad_flags_and_models_before_it_listens(tmp_path, config, 
     it printed 99999, and a directory that is not a run, or a page pool too small, started
     a server that answered 500 to everything and printed nothing. Each now stops the
     command, naming the value, before uvicorn starts."""
-    from inference import server
+    from inference import serve
 
-    run_dir = tmp_path / "run"
-    checkpoint.save_config(run_dir, config)
-    checkpoint.save_tokenizer(run_dir, TOKENIZER)
-    checkpoint.save(checkpoint.manager(run_dir), 1, params, params, {"step": 1})
+    run_dir = save_run(tmp_path / "run", config, params)
     (tmp_path / "empty").mkdir()
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the server started"))
-    argv = ["--run-dir", str(run_dir), "--no-warmup"]
+    monkeypatch.setattr(serve._Uvicorn, "run",
+                        lambda *a, **k: pytest.fail("the server started"))
+    argv = ["--run-dir", str(run_dir), "--no-warmup", "--port", str(free_port())]
     argv += [f.format(empty=tmp_path / "empty") for f in flags]
     with pytest.raises(SystemExit, match=r"^gpt-jax serve: .*" + message):
-        server.main(argv)
+        serve.main(argv)
 
 
 def test_the_request_model_bounds_each_field_as_sampling_params_does():

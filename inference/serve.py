@@ -1,0 +1,171 @@
+"""`gpt-jax serve`, the command: its flags, the port taken before anything loads, the model
+loaded, then uvicorn serving the app (`inference.server`) on that port. It prints "ready"
+once uvicorn listens and the engine serves; SIGTERM (or Ctrl-C) drains the requests in
+flight (at most `--shutdown-timeout` seconds) and exits 0."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import signal
+import socket
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Callable
+
+import uvicorn
+
+from inference import server
+from inference.engine import Engine
+from inference.load import add_model_args, load_model
+from inference.server import ServerConfig, create_app
+
+
+def parse_origins(values: list[str] | None) -> tuple[str, ...]:
+    """The origins of `--allowed-origins` values (repeated, or comma-separated). Raises
+    ValueError for one that is not `*` or `scheme://host[:port]` (a browser's Origin header
+    has no path, so "http://a.test/" would never match)."""
+    origins = tuple(o.strip() for value in values or [] for o in value.split(",") if o.strip())
+    for origin in origins:
+        parts = urllib.parse.urlsplit(origin)
+        if origin != "*" and not (parts.scheme and parts.netloc and origin.endswith(
+                parts.netloc)):
+            raise ValueError(f"--allowed-origins {origin!r} is not an origin; allowed: "
+                             "scheme://host[:port] (no path), or * for any")
+    return origins
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gpt-jax serve", description=server.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the run or checkpoint "
+                        "directory's name)")
+    p.add_argument("--max-slots", type=int, default=16, help="samples decoded at once")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV page pool size in bytes (default: every slot can hold the "
+                        "model's context)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="most completions waiting beyond the slots before 429")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
+    p.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
+                   help="origins (scheme://host[:port], comma-separated or repeated; * for "
+                        "any) whose browser pages may call the server (CORS); default: none, "
+                        "only the server's own page")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for requests in flight")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="compile each program on first use instead of before serving")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """`gpt-jax serve ARGV`: the flags checked, the port taken, the model loaded, then the
+    app served until SIGTERM or Ctrl-C."""
+    args = parse_args(argv)
+    for name, low, high in (("max_slots", 1, None), ("max_queue", 0, None),
+                            ("port", 1, 65535)):
+        value = getattr(args, name)
+        if value < low or (high is not None and value > high):
+            allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise SystemExit(f"gpt-jax serve: --{name.replace('_', '-')} must be {allowed}, "
+                             f"got {value}")
+    source = Path(args.hf_checkpoint or args.run_dir)
+    if not source.is_dir():
+        raise SystemExit(f"gpt-jax serve: {source} is not a directory")
+    try:
+        origins = parse_origins(args.allowed_origins)
+    except ValueError as error:
+        raise SystemExit(f"gpt-jax serve: {error}") from None
+    cfg = ServerConfig(model_name=args.served_model_name or source.resolve().name,
+                       api_key=args.api_key, max_queue=args.max_queue,
+                       shutdown_timeout=args.shutdown_timeout, allowed_origins=origins)
+    sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
+    engine, cfg.eos_token_id = _engine(args, source)
+
+    def load() -> Engine:
+        """Compile the engine's programs (the slow part) while /health answers 503."""
+        if not args.no_warmup:
+            print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} slots); "
+                  "/health answers 503 until they are ready", flush=True)
+            tick = time.monotonic()
+            compiled = engine.warmup()
+            print(f"gpt-jax serve: {compiled} programs compiled in "
+                  f"{time.monotonic() - tick:.0f} s", flush=True)
+        return engine
+
+    listening = threading.Event()
+
+    def ready() -> None:  # the engine serves (in the loading thread): say so once uvicorn does
+        listening.wait()
+        print(f"gpt-jax serve: {cfg.model_name} ready on http://{args.host}:{args.port}",
+              flush=True)
+
+    config = uvicorn.Config(create_app(load, cfg, on_ready=ready), host=args.host,
+                            port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores after its drain
+        signal.signal(sig, signal.SIG_IGN)
+    _Uvicorn(config, on_listening=listening.set).run(sockets=[sock])
+
+
+def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, int | None]:
+    """The engine of the model `args` name, and its EOS id. A model that cannot load stops
+    the command here, before the server listens."""
+    try:
+        params, config, tokenizer, eos = load_model(args)
+        if tokenizer is None:
+            raise ValueError(f"{source} has no tokenizer")
+        return Engine(params, config, tokenizer, max_slots=args.max_slots,
+                      kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
+                      quantize=args.quantize), eos
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"gpt-jax serve: {error}") from error
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port, which uvicorn serves once the app starts. Taken
+    first, before anything loads or compiles, so that a port in use stops the command at
+    once (uvicorn, binding after the warmup had begun, aborted the process). Raises
+    SystemExit naming the port."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    except OSError as error:
+        raise SystemExit(f"gpt-jax serve: cannot listen on {host}:{port}: {error}") from None
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        why = "is in use" if error.errno == errno.EADDRINUSE else \
+            f"cannot be listened on: {error.strerror}"
+        raise SystemExit(f"gpt-jax serve: port {port} on {host} {why}") from None
+    return sock
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, calling `on_listening` once it serves its sockets.
+
+    It re-raises the SIGTERM or Ctrl-C it drained for under the handlers it found: `main`
+    leaves them ignored, so a drained shutdown exits 0 (by the signal, it was 143)."""
+
+    def __init__(self, config: uvicorn.Config, on_listening: Callable[[], None]):
+        super().__init__(config)
+        self.on_listening = on_listening
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_listening()
+
+
+if __name__ == "__main__":
+    main()
