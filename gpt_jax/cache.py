@@ -134,8 +134,8 @@ def write(cache: PagedKVCache, k_LBTKH, v_LBTKH, n_valid_B, after=None) -> Paged
       after: an array computed from every read of the pools that must come before this
         write (the logits). The scatter's indices are made to depend on it without changing
         them, so XLA runs those reads first and updates the pools in place; without a data
-        dependency it copied every pool to keep its old value for a late read (measured:
-        two pool copies per layer per decode step, 75 -> 144 ms at gpt2 batch 32).
+        dependency it copied every pool to keep its old value for a late read (two pool
+        copies per layer per decode step: benchmarks/README.md, "One paged cache").
     Returns:
       The cache. A slot whose tokens do not all fit its pages stores none of them, keeps
       its length and gets `overflow` set.

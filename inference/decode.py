@@ -94,8 +94,8 @@ def init_state(model, seen_BV, stops, window_BW, *, n_steps, n_top, pad_id=0) ->
 
 def _token_logprobs(logits_BV, token_B, wanted_B, n_top: int):
     """The sampled tokens' log-probs `[B]` and the `n_top` most likely `([B, R], [B, R])`,
-    computed only when some row asked (`wanted_B`): the [B, V] log-softmax and top-k cost
-    ~3% of a gpt2 batch-32 step."""
+    computed only when some row asked (`wanted_B`): the [B, V] log-softmax and top-k are a
+    measurable part of a step (benchmarks/README.md, "Sampling parameters")."""
     B = token_B.shape[0]
 
     def compute(logits_BV):

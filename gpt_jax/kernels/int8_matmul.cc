@@ -126,9 +126,9 @@ void panel_tile(const float* x, int64_t I, const int8_t* panel, float* out) {
   const int64_t stride = I * kPanel;  // bytes from one panel to the next
   int64_t i = 0;
   for (; i + U <= I; i += U) {
-    // One cache line per 64 bytes of each panel, 4 KB ahead (of 8-channel panels, 2 KB
-    // took one thread from 14 to 16 GB/s; 16-channel panels read twice the bytes per input,
-    // and 4 KB ran 1-3% faster than 2 KB at 1, 2 and 8 rows).
+    // One cache line per 64 bytes of each panel, 4 KB ahead (16-channel panels read twice
+    // the bytes per input of the 8-channel ones, for which 2 KB was chosen; figures in
+    // benchmarks/README.md, "A third pass").
     if (((i * kPanel) & 63) < U * kPanel)
       for (int p = 0; p < NP; ++p)
         __builtin_prefetch(panel + p * stride + i * kPanel + kPrefetchBytes);
@@ -204,15 +204,10 @@ void rows(const float* x, const int8_t* w, const float* scale, int64_t I, int64_
 // task's panels stream by; the panels left over, and every panel for one or two rows (a
 // decode step of one or two sequences: bound by reading the weights), one at a time.
 //
-// Measured with AVX-512 on Zen 4 (115 GFLOP/s FMA peak per core), against the previous
-// kernel (8-channel panels in 8-float registers, three panels by eight rows with 32
-// registers), old and new builds alternated in one process over GPT-2's 49 decode
-// matmuls: 1.10x at 8 rows (154 -> 170 GFLOP/s on 2 cores), 1.17x at 64, 1.22x at 512 (a
-// prefill), 1.01-1.06x at 1, 2 and 4 rows; one core from memory at 8 rows, 78-89 -> 94-103
-// GFLOP/s (both ~105-110 with the weights in L2): the wider registers halve the
-// instructions per multiply-add, so the core keeps more of the stream in flight. One or two
-// rows ran 1.14x and 1.20x faster panel by panel than three panels at a time. With AVX2
-// only (`-mno-avx512f`): 1.03x, 1.06x, 1.01x at 1, 8 and 64 rows.
+// 16-float registers (AVX-512) over the previous 8-float ones halve the instructions per
+// multiply-add, so the core keeps more of the weight stream in flight; one or two rows go
+// panel by panel, faster there than three panels at a time (measurements, AVX-512 and
+// AVX2 alone: benchmarks/README.md, "A third pass").
 void panels(const float* x, const int8_t* w, const float* scale, int64_t M, int64_t I,
             int64_t O, int64_t p0, int64_t p1, float* y) {
   const int64_t block = std::max<int64_t>(

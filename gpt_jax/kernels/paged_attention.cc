@@ -131,9 +131,8 @@ void attend_one(const float* q_GH, const Pool<T>& keys, const Pool<T>& values, i
 // 2018; the decode form of FlashAttention, Dao et al. 2022): per query head a running max,
 // a running sum and the output's running sum, rescaled when the max grows. So a row's keys
 // and values are read as two streams of whole pages (48 KB per GPT-2 page, all heads), not
-// 4 KB per head per page where the hardware prefetcher started again at every piece: GPT-2
-// at batch 8 over 128 slots, 17 -> 23 GB/s on two threads here (old and new alternated;
-// attention 4.4 -> 3.3 ms a step). The query and output stay in registers while a page's
+// 4 KB per head per page where the hardware prefetcher started again at every piece
+// (benchmarks/README.md, "A third pass"). The query and output stay in registers while a page's
 // slots are dotted four at a time (independent accumulator chains).
 template <typename T, int64_t H>
 void attend_heads(const float* q_KGH, const Pool<T>& keys, const Pool<T>& values, int64_t b,
