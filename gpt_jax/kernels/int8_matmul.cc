@@ -8,24 +8,24 @@
 // rows' accumulators with fused multiply-adds, and each channel's sum is scaled at the end.
 // Panels of channels are spread over XLA's intra-op thread pool.
 //
-// The weights come in panels of sixteen channels, w[P, I, 16] (P = ceil(O / 16), channels
-// past O zero): the sixteen weights of input i for sixteen channels are consecutive bytes,
-// so the kernel reads memory strictly in order (a panel is one stream, which the hardware
-// prefetcher follows; separate channel rows ran at half the speed here), and one widened
-// 16-float register (two of 8 floats with AVX2) holds a panel's channels: the
-// outer-product form, y[r, 16 channels] += x[r, i] * w[i, 16 channels], needs no
+// The weights come in panels of sixteen channels, w[n_panels, I, 16] (n_panels =
+// ceil(O / 16), channels past O zero): the sixteen weights of input i for sixteen channels
+// are consecutive bytes, so the kernel reads memory strictly in order (a panel is one
+// stream, which the hardware prefetcher follows, faster than separate channel rows:
+// benchmarks/README.md, "The kernel"), and one widened 16-float register (two of 8 floats with AVX2) holds a panel's channels:
+// the outer-product form, y[r, 16 channels] += x[r, i] * w[i, 16 channels], needs no
 // horizontal sums and lets several rows share each widening.
 //
 // Arguments (M rows: the product of x's leading axes, which vmap adds), then one or more
 // weights that all multiply x (a layer's q, k and v projections: one call, one parallel
 // loop over the panels of all three):
 //   x      f32 [..., M, I]
-//   w      s8  [..., P, I, 16] leading axes of size 1 (shared by every row, as vmap's
-//                              expand_dims passes them)
+//   w      s8  [..., n_panels, I, 16] leading axes of size 1 (shared by every row, as
+//                                     vmap's expand_dims passes them)
 //   scale  f32 [..., O]        as w
 // Results: per weight, y f32 [..., M, O].
 //
-// Built by gpt_jax/kernels/build.py on first use (gpt_jax/kernels/int8_matmul.py binds it).
+// Built by gpt_jax/kernels/builder.py on first use (gpt_jax/kernels/int8_matmul.py binds it).
 
 #include <algorithm>
 #include <cstdint>
@@ -227,7 +227,7 @@ struct Matrix {
   const int8_t* w;
   const float* scale;
   float* y;
-  int64_t O, P;
+  int64_t O, n_panels;
 };
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
@@ -248,16 +248,16 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     if (y.has_error()) return y.error();
     auto w_dims = w->dimensions(), s_dims = scale->dimensions();
     if (w_dims.size() < 3 || s_dims.size() < 1 || w_dims[w_dims.size() - 1] != kPanel)
-      return ffi::Error::InvalidArgument("w must be [..., P, I, 16] and scale [..., O]");
-    const int64_t P = w_dims[w_dims.size() - 3], O = s_dims[s_dims.size() - 1];
-    if (w_dims[w_dims.size() - 2] != I || P != (O + kPanel - 1) / kPanel)
+      return ffi::Error::InvalidArgument("w must be [..., n_panels, I, 16] and scale [..., O]");
+    const int64_t n_panels = w_dims[w_dims.size() - 3], O = s_dims[s_dims.size() - 1];
+    if (w_dims[w_dims.size() - 2] != I || n_panels != (O + kPanel - 1) / kPanel)
       return ffi::Error::InvalidArgument("w must be [ceil(O / 16), I, 16] for x's I and scale's O");
-    if (w->element_count() != P * I * kPanel || scale->element_count() != O)
+    if (w->element_count() != n_panels * I * kPanel || scale->element_count() != O)
       return ffi::Error::InvalidArgument(
           "w and scale must be shared by all rows (leading axes 1)");
     if ((*y)->element_count() != M * O)
       return ffi::Error::InvalidArgument("each result must be [..., M, O]");
-    matrices.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), O, P});
+    matrices.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), O, n_panels});
   }
   if (I == 0) {
     for (auto& m : matrices) std::fill(m.y, m.y + M * m.O, 0.0f);
@@ -266,18 +266,18 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   // Runs of panels of one matrix per task, `kTasksPerThread` per thread over all the
   // matrices of the call (one parallel loop for all: the threads never wait between them).
   int64_t panels_in_all = 0;
-  for (auto& m : matrices) panels_in_all += m.P;
+  for (auto& m : matrices) panels_in_all += m.n_panels;
   int64_t per_task = std::max<int64_t>(
       1, panels_in_all / (kTasksPerThread * std::max<int64_t>(1, pool.num_threads())));
   per_task = (per_task + kTilePanels - 1) / kTilePanels * kTilePanels;
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (matrix, first panel)
   for (size_t k = 0; k < matrices.size(); ++k)
-    for (int64_t p = 0; p < matrices[k].P; p += per_task) tasks.emplace_back(k, p);
+    for (int64_t p = 0; p < matrices[k].n_panels; p += per_task) tasks.emplace_back(k, p);
   const float* xs = x.typed_data();
   parallel_for(pool, tasks.size(), [&](int64_t task) {
     const auto [k, p0] = tasks[task];
     const Matrix& m = matrices[k];
-    panels(xs, m.w, m.scale, M, I, m.O, p0, std::min(m.P, p0 + per_task), m.y);
+    panels(xs, m.w, m.scale, M, I, m.O, p0, std::min(m.n_panels, p0 + per_task), m.y);
   });
   return ffi::Error::Success();
 }

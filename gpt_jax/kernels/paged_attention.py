@@ -13,6 +13,8 @@ The kernel is built from source on first use, cached and registered by
 says why and the XLA path runs; `GPT_JAX_CPU_KERNEL=0` turns it off. Programs traced inside
 `gpt_jax.kernels.portable()` never use it: a program that leaves this process (`jax.export`,
 `inference.export`) cannot call a kernel registered here.
+
+Shapes: the letters of `gpt_jax.model`, and G, query heads per kv head (`gpt_jax.attention`).
 """
 
 from __future__ import annotations
