@@ -12,9 +12,10 @@
 // ceil(O / 16), channels past O zero): the sixteen weights of input i for sixteen channels
 // are consecutive bytes, so the kernel reads memory strictly in order (a panel is one
 // stream, which the hardware prefetcher follows, faster than separate channel rows:
-// benchmarks/README.md, "The kernel"), and one widened 16-float register (two of 8 floats with AVX2) holds a panel's channels:
-// the outer-product form, y[r, 16 channels] += x[r, i] * w[i, 16 channels], needs no
-// horizontal sums and lets several rows share each widening.
+// benchmarks/README.md, "The kernel"), and one widened 16-float register (two of 8 floats
+// with AVX2) holds a panel's channels: the outer-product form,
+// y[r, 16 channels] += x[r, i] * w[i, 16 channels], needs no horizontal sums and lets
+// several rows share each widening.
 //
 // Arguments (M rows: the product of x's leading axes, which vmap adds), then one or more
 // weights that all multiply x (a layer's q, k and v projections: one call, one parallel
