@@ -95,8 +95,8 @@ def measure(config: GPTConfig, params, batch: int, prompt_len: int, new_tokens: 
     first_call_s = time.perf_counter() - tick
 
     def call_exported():
-        tokens_BN, num_tokens_B = jax.device_get(loaded.call(*args))
-        return [row[:n].tolist() for row, n in zip(tokens_BN, num_tokens_B)]
+        output_tokens, num_tokens_B = jax.device_get(loaded.call(*args))
+        return [row[:n].tolist() for row, n in zip(output_tokens, num_tokens_B)]
 
     runs = {"generate": lambda: [c.tokens for c in generate(params, config, prompts, sampling)],
             "generate, XLA": lambda: xla_generate(params, config, prompts, sampling),

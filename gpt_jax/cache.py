@@ -134,8 +134,8 @@ def write(cache: PagedKVCache, k_LBTKH, v_LBTKH, n_valid_B, after=None) -> Paged
       after: an array computed from every read of the pools that must come before this
         write (the logits). The scatter's indices are made to depend on it without changing
         them, so XLA runs those reads first and updates the pools in place; without a data
-        dependency it copied every pool to keep its old value for a late read (measured:
-        two pool copies per layer per decode step, 75 -> 144 ms at gpt2 batch 32).
+        dependency it copied every pool to keep its old value for a late read (two pool
+        copies per layer per decode step: benchmarks/README.md, "One paged cache").
     Returns:
       The cache. A slot whose tokens do not all fit its pages stores none of them, keeps
       its length and gets `overflow` set.
@@ -157,9 +157,8 @@ def write(cache: PagedKVCache, k_LBTKH, v_LBTKH, n_valid_B, after=None) -> Paged
     if after is not None:  # min(page, num_pages + isnan) == page: a dependency, no change
         page_BT = jnp.minimum(page_BT, cache.num_pages + jnp.isnan(after.sum()).astype(jnp.int32))
 
-    def scatter(pool_NKPH, new_BTKH):
-        return pool_NKPH.at[page_BT, :, offset_BT].set(new_BTKH.astype(pool_NKPH.dtype),
-                                                       mode="drop")
+    def scatter(pool, new_BTKH):  # pool: [num_pages, K, P, H]
+        return pool.at[page_BT, :, offset_BT].set(new_BTKH.astype(pool.dtype), mode="drop")
 
     return cache.replace(
         k=tuple(map(scatter, cache.k, k_LBTKH)),
@@ -169,10 +168,11 @@ def write(cache: PagedKVCache, k_LBTKH, v_LBTKH, n_valid_B, after=None) -> Paged
     )
 
 
-def copy_pages(cache: PagedKVCache, source_N: jax.Array, target_N: jax.Array) -> PagedKVCache:
-    """Pages `source_N` copied onto pages `target_N` in every layer (copy-on-write of a
-    shared page before it is written). Targets of `num_pages` or more are skipped."""
-    def copy(pool_NKPH):
-        return pool_NKPH.at[target_N].set(pool_NKPH[jnp.clip(source_N, 0)], mode="drop")
+def copy_pages(cache: PagedKVCache, sources: jax.Array, targets: jax.Array) -> PagedKVCache:
+    """Pages `sources` copied onto pages `targets` (int32, one entry per copied page) in
+    every layer (copy-on-write of a shared page before it is written). Targets of
+    `num_pages` or more are skipped."""
+    def copy(pool):  # [num_pages, K, P, H]
+        return pool.at[targets].set(pool[jnp.clip(sources, 0)], mode="drop")
 
     return cache.replace(k=tuple(map(copy, cache.k)), v=tuple(map(copy, cache.v)))

@@ -77,9 +77,8 @@ PRESETS: dict[str, GPTConfig] = {
     # Small enough for fast tests, big enough to have two layers and two heads.
     "tiny": GPTConfig(vocab_size=64, max_seq_len=128, n_layers=2, n_heads=2, d_model=32),
     # Character-level Shakespeare for `make demo`: nanoGPT's CPU model (width 128, context 64).
-    # Longer contexts learn far more slowly per step with learned positions: at 100 s on 2
-    # cores, context 64 reached val 2.11, 128 reached 2.43 and 320 stayed at 2.58
-    # (training/README.md). vocab_size is replaced by the tokenizer's when training.
+    # Longer contexts learn far more slowly per step with learned positions (in a fixed time:
+    # training/README.md). vocab_size is replaced by the tokenizer's when training.
     "shakespeare-char": GPTConfig(
         vocab_size=96, max_seq_len=64, n_layers=4, n_heads=4, d_model=128
     ),

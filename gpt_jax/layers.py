@@ -49,8 +49,8 @@ def _matmul_fwd(x_MI, w_IO):
     # Keep the input transposed for the weight gradient, so that product reads both operands
     # in the layout the CPU matmul kernels take. Left to autodiff, XLA:CPU transposes the
     # incoming gradient instead, and fuses the whole residual-stream gradient chain (every
-    # later layer's LayerNorm backward) into each such transpose: measured 122 -> 93 ms per
-    # nanogpt-cpu forward+backward on 2 cores.
+    # later layer's LayerNorm backward) into each such transpose (training/README.md, "Where
+    # the training step goes").
     return x_MI @ w_IO, (x_MI.T, w_IO)
 
 
@@ -71,9 +71,9 @@ class Weight:
                 concatenate: bool) -> list[jax.Array]:
         """`[x @ w + b for w, b in zip(ws, bs_O)]`, each `[M, O_k]`, for weights of this type.
         With `concatenate`, as ONE product over the weights side by side (on CPU one wider
-        product beats three narrow ones, forward and backward: ~3% of a nanogpt-cpu train
-        step). That copies the weights per call: the training path's choice, where the rows
-        dwarf them; a decode step does not."""
+        product beats three narrow ones, forward and backward; training/README.md). That
+        copies the weights per call: the training path's choice, where the rows dwarf them;
+        a decode step does not."""
         if not concatenate:
             return [w.matmul(x_MI) + b_O[None] for w, b_O in zip(ws, bs_O)]
         out_MO = cls.concatenate(ws).matmul(x_MI) + jnp.concatenate(bs_O)[None]
@@ -102,19 +102,16 @@ class InputMajor(Weight):
 class OutputMajor(Weight):
     """A weight matrix stored transposed, `[O, I]`, for the few-row matmuls of decoding.
 
-    The CPU matmul kernels (YNNPACK and Eigen alike) are tiled along the output rows: for
-    `x @ w` with 8 rows they ran at 17-26 GFLOP/s here, while `w_OI @ x^T`, the same product
-    with O as the row axis, ran at 47-52 (a 12-layer gpt2-sized MLP chain: 54 -> 18 ms at 8
-    rows, 80 -> 38 ms at 32, 18 -> 12 ms at 1; benchmarks/README.md). `decode_layout` stores
+    The CPU matmul kernels (YNNPACK and Eigen alike) are tiled along the output rows, so
+    `x @ w` with few rows runs far slower than `w_OI @ x^T`, the same product with O as the
+    row axis (benchmarks/README.md, "Output-major weights"). `decode_layout` stores
     the block matrices this way once per compiled program; `matmul` computes `(w_OI @ x^T)^T`,
     the barrier keeping XLA from folding the transposes back into `x @ w_OI^T`.
 
     With many rows (a prefill of `MANY_ROWS` tokens or more per sequence) `matmul` computes
-    `x @ w_OI^T` instead: as fast at 64 rows and up to 1.9x faster at 256 (768 x 768: 91 ->
-    166 GFLOP/s), and its output needs no transpose (in a batch-32, 64-token prefill those
-    transposes took ~0.5 s of ~3.0; after: 2.6-2.9 s). A plain embedding table `[V, D]` is
-    one too (`as_weight` with `in_axes=-1`): `rows` is the lookup, `matmul` the tied output
-    projection.
+    `x @ w_OI^T` instead: there that orientation is as fast or faster, and its output needs
+    no transpose. A plain embedding table `[V, D]` is one too (`as_weight` with
+    `in_axes=-1`): `rows` is the lookup, `matmul` the tied output projection.
     """
 
     w_OI: jax.Array

@@ -10,9 +10,13 @@ fewer than query heads (grouped-query attention, Ainslie et al. 2023).
 Shape alphabet, used in einsum strings and variable suffixes everywhere in this project:
   B batch, T query length, S cache/key length, D d_model, N query heads, K kv heads,
   H head dim, V vocab, L layers, P page size.
-A few letters belong to one file, declared there (`gpt_jax.layers`: a matrix product's rows
-M, inputs I, outputs O, the MLP width F; `gpt_jax.attention`: G query heads per kv head);
-other axes are named in words (`max_pages`, `n_blocks`).
+A few letters belong to the files that use them, declared there, each with this one
+meaning: `gpt_jax.layers` a matrix product's rows M, inputs I, outputs O, the MLP width F;
+`gpt_jax.attention` G query heads per kv head, Q queries of one kv head; `inference.steps`
+and `batching` R the rows a call runs among the slots; `inference.decode` W a row's window
+of its last tokens; `inference.naive` C the context (max_seq_len); `inference.stopping` E a
+row's EOS ids; `training.step` A micro-batches. Other axes are named in words (`max_pages`,
+`num_pages`, `n_blocks`, `n_steps`, prompts).
 
 The layers are `gpt_jax.layers`, the attention cores `gpt_jax.attention`; this file chooses
 the attention of each forward and runs `block` with it:

@@ -4,6 +4,10 @@ and inserts each completed prompt into the decode state with its first token;
 `engine_decode` runs one chunk of decode steps (`inference.decode`) for the first
 `decode_rows` slots, every running one among them. The scheduler (`inference.scheduler`)
 decides which sequences, slots and pages; these only run what it planned.
+
+Shapes: the letters of `gpt_jax.model`, and here R, the rows of a prefill call (one per
+prompt chunk, each in its own cache slot), and W, a row's window of its last tokens
+(`inference.decode`); `recent_width` counts a row's recent tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class PrefillBatch:
     slot: jax.Array  # [R] int32, the cache slot and decode row
     insert: jax.Array  # [R] bool, the chunk completes the prompt: the row joins the decode batch
     step: jax.Array  # [R] int32, tokens the request had generated (a preempted one resumes)
-    recent: jax.Array  # [R, M] int32, its last M generated tokens (BEFORE_START before)
+    recent: jax.Array  # [R, recent_width] int32, its last generated tokens (BEFORE_START before)
     window: jax.Array  # [R, W] int32, its last W tokens of prompt and output (0 before)
     prompt_seen: jax.Array  # [R, V] bool, tokens of its prompt
     output_counts: jax.Array  # [R, V] int32, occurrences among its generated tokens
@@ -68,8 +72,8 @@ def engine_prefill(params, config, state: DecodeState, page_table, batch: Prefil
 def decode_rows(n: int, max_slots: int) -> int:
     """Rows a decode chunk runs to cover slots 0..n-1: powers of two up to 8, then halfway
     steps (12, 16, 24, 32, 48, ...), at most `max_slots`. Halfway steps keep a 17th request
-    from doubling the step of 16 (a gpt2 step at 32 rows took 1.5x one at 16, at 24 1.3x)
-    for two programs per doubling."""
+    from doubling the step of 16 (benchmarks/README.md, "Serving") for two programs per
+    doubling."""
     if n <= 8:
         return min(max_slots, bucket(n))
     step = bucket(n) // 4  # two steps from the power of two below n to the one above
@@ -119,15 +123,15 @@ def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, rece
                   window_width: int) -> PrefillBatch:
     """The rows of a prefill call, padded to buckets (rows and T); a row that completes its
     prompt carries the sequence's history (a preempted one resumes where it was):
-    `recent_width` (M) last generated tokens, `window_width` (W) last tokens."""
+    `recent_width` last generated tokens, `window_width` (W) last tokens."""
     R = bucket(len(work))
     T = bucket(max(w.n for w in work), MIN_PROMPT_BUCKET)
-    V, M = vocab_size, recent_width
+    V = vocab_size
     tokens = np.zeros((R, T), np.int32)
     n_valid, start, step = (np.zeros(R, np.int32) for _ in range(3))
     slot = np.full(R, max_slots, np.int32)
     insert = np.zeros(R, bool)
-    recent = np.full((R, M), stopping.BEFORE_START, np.int32)
+    recent = np.full((R, recent_width), stopping.BEFORE_START, np.int32)
     window = np.zeros((R, window_width), np.int32)
     seen, counts = np.zeros((R, V), bool), np.zeros((R, V), np.int32)
     for r, w in enumerate(work):
@@ -138,8 +142,8 @@ def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, rece
             insert[r], step[r] = True, len(seq.output)
             seen[r, seq.prompt] = True
             np.add.at(counts[r], seq.output, 1)
-            tail = seq.output[-M:]
-            recent[r, M - len(tail):] = tail
+            tail = seq.output[-recent_width:]
+            recent[r, recent_width - len(tail):] = tail
             tail = seq.target[-window.shape[1]:]  # the target is at most max_seq_len
             window[r, window.shape[1] - len(tail):] = tail
     return PrefillBatch(*map(jnp.asarray, (tokens, n_valid, start, slot, insert, step,
@@ -148,7 +152,7 @@ def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, rece
 
 def row_arrays(active: list[Sequence], max_slots: int, vocab_size: int, widths):
     """Per-slot sampling and stop arrays of the `active` sequences (a free slot gets inert
-    defaults); `widths`: the stop arrays' (E, Q, M)."""
+    defaults); `widths`: the stop arrays' widths (`stopping.needed_widths`)."""
     by_slot: list[Sequence | None] = [None] * max_slots
     for seq in active:
         by_slot[seq.slot] = seq

@@ -9,6 +9,11 @@ decode chunks run the same sampler and stop logic. Every decode step feeds each 
 the token it sampled last and samples its next (`decode_one`); a prefill ends by sampling
 each row's first token (`sample_and_record`), so the first token comes with the prefill.
 The state keeps, for a row that may outgrow its context ("crop"), its window of tokens.
+
+Shapes: the letters of `gpt_jax.model`, and here W, a row's window of its last tokens
+(max_seq_len wide where a row may outgrow its context, else 0). Other axes are counted in
+words: a row's generated tokens (`n_steps`), the most likely alternatives per token
+(`n_top`), its recent tokens (`recent_width`: the longest token stop sequence), prompts.
 """
 
 from __future__ import annotations
@@ -30,15 +35,15 @@ CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk bound
 class DecodeState:
     model: PagedKVCache | struct.PyTreeNode  # the cache (or, for naive decoding, the sequences)
     next_token: jax.Array  # [B] int32, the row's last sampled token, fed at its next step
-    tokens: jax.Array  # [B, N] int32, generated tokens, at index = the row's step
-    logprobs: jax.Array  # [B, N] float32, model log-prob of each token (0 if none asked, R = 0)
-    top_ids: jax.Array  # [B, N, R] int32, most likely alternatives per step (R = 0 if off)
-    top_logprobs: jax.Array  # [B, N, R] float32, their log-probs
+    tokens: jax.Array  # [B, n_steps] int32, generated tokens, at index = the row's step
+    logprobs: jax.Array  # [B, n_steps] float32, model log-prob of each token (0 if none asked)
+    top_ids: jax.Array  # [B, n_steps, n_top] int32, most likely alternatives (n_top 0: off)
+    top_logprobs: jax.Array  # [B, n_steps, n_top] float32, their log-probs
     step: jax.Array  # [B] int32, tokens the row has generated (the index of its next one)
     done: jax.Array  # [B] bool, row has finished (or holds no request)
     finish: jax.Array  # [B] int32, stopping.RUNNING / EOS / STOP / LENGTH
     num_tokens: jax.Array  # [B] int32, output tokens (EOS kept, a token stop sequence cut)
-    recent: jax.Array  # [B, M] int32, last M generated tokens (stopping.BEFORE_START before)
+    recent: jax.Array  # [B, recent_width] int32, last generated tokens (BEFORE_START before)
     # [B, W] int32, the row's last W tokens of prompt and output, next_token last (pad before
     # the prompt); W = max_seq_len where a row may outgrow the context ("crop"), else 0
     window: jax.Array
@@ -51,20 +56,22 @@ class DecodeState:
 StepFn = Callable
 
 
-def prompt_seen(tokens_PT, lengths_P, vocab_size: int):
-    """bool `[P, V]`: the token occurs among the row's real prompt tokens (never padding)."""
-    P, T = tokens_PT.shape
-    real_PT = jnp.arange(T)[None, :] < lengths_P[:, None]
-    return jnp.zeros((P, vocab_size), jnp.int32).at[jnp.arange(P)[:, None], tokens_PT].add(real_PT) > 0
+def prompt_seen(prompt_tokens, prompt_lengths, vocab_size: int):
+    """bool `[prompts, V]`: the token occurs among the prompt's real tokens (never padding);
+    `prompt_tokens` int32 `[prompts, T]`, right-padded, `prompt_lengths` `[prompts]`."""
+    n_prompts, T = prompt_tokens.shape
+    real = jnp.arange(T)[None, :] < prompt_lengths[:, None]  # [prompts, T]
+    return jnp.zeros((n_prompts, vocab_size), jnp.int32).at[
+        jnp.arange(n_prompts)[:, None], prompt_tokens].add(real) > 0
 
 
-def prompt_window(tokens_PT, lengths_P, width: int, pad_id: int = 0):
-    """int32 `[P, width]`: the last `width` real tokens of each right-padded prompt, right
-    aligned, `pad_id` before a shorter prompt."""
-    T = tokens_PT.shape[1]
-    position_PW = lengths_P[:, None] - width + jnp.arange(width)[None, :]
-    tokens_PW = jnp.take_along_axis(tokens_PT, jnp.clip(position_PW, 0, T - 1), axis=1)
-    return jnp.where(position_PW >= 0, tokens_PW, pad_id).astype(jnp.int32)
+def prompt_window(prompt_tokens, prompt_lengths, width: int, pad_id: int = 0):
+    """int32 `[prompts, width]`: the last `width` real tokens of each right-padded prompt,
+    right aligned, `pad_id` before a shorter prompt."""
+    T = prompt_tokens.shape[1]
+    positions = prompt_lengths[:, None] - width + jnp.arange(width)[None, :]  # [prompts, width]
+    tail = jnp.take_along_axis(prompt_tokens, jnp.clip(positions, 0, T - 1), axis=1)
+    return jnp.where(positions >= 0, tail, pad_id).astype(jnp.int32)
 
 
 def init_state(model, seen_BV, stops, window_BW, *, n_steps, n_top, pad_id=0) -> DecodeState:
@@ -93,16 +100,16 @@ def init_state(model, seen_BV, stops, window_BW, *, n_steps, n_top, pad_id=0) ->
 
 
 def _token_logprobs(logits_BV, token_B, wanted_B, n_top: int):
-    """The sampled tokens' log-probs `[B]` and the `n_top` most likely `([B, R], [B, R])`,
-    computed only when some row asked (`wanted_B`): the [B, V] log-softmax and top-k cost
-    ~3% of a gpt2 batch-32 step."""
+    """The sampled tokens' log-probs `[B]` and the `n_top` most likely `([B, n_top],
+    [B, n_top])`, computed only when some row asked (`wanted_B`): the [B, V] log-softmax and
+    top-k are a measurable part of a step (benchmarks/README.md, "Sampling parameters")."""
     B = token_B.shape[0]
 
     def compute(logits_BV):
         logprobs_BV = jax.nn.log_softmax(logits_BV, axis=-1)
         token_logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
-        top_logprobs_BR, top_ids_BR = jax.lax.top_k(logprobs_BV, n_top)
-        return token_logprob_B, top_logprobs_BR, top_ids_BR.astype(jnp.int32)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs_BV, n_top)
+        return token_logprob_B, top_logprobs, top_ids.astype(jnp.int32)
 
     def skip(_):
         return (jnp.zeros((B,), jnp.float32), jnp.zeros((B, n_top), jnp.float32),
@@ -111,12 +118,12 @@ def _token_logprobs(logits_BV, token_B, wanted_B, n_top: int):
     return jax.lax.cond(wanted_B.any(), compute, skip, logits_BV)
 
 
-def _shift_in(buffer_BM, token_B, active_B):
-    """`buffer_BM` with `token_B` appended (the oldest dropped) in the `active_B` rows."""
-    if not buffer_BM.shape[1]:
-        return buffer_BM
-    shifted_BM = jnp.concatenate([buffer_BM[:, 1:], token_B[:, None]], axis=1)
-    return jnp.where(active_B[:, None], shifted_BM, buffer_BM)
+def _shift_in(buffer, token_B, active_B):
+    """`buffer` with `token_B` appended (the oldest dropped) in the `active_B` rows."""
+    if not buffer.shape[1]:
+        return buffer
+    shifted = jnp.concatenate([buffer[:, 1:], token_B[:, None]], axis=1)
+    return jnp.where(active_B[:, None], shifted, buffer)
 
 
 def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArrays,
@@ -135,14 +142,14 @@ def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArr
     token_B = sample(stopping.ban_early_eos(logits_BV, step_B, stops), rows, state.prompt_seen,
                      state.output_counts, step_B, pad_id)
     token_B = jnp.where(active_B, token_B, pad_id)
-    token_logprob_B, top_logprobs_BR, top_ids_BR = _token_logprobs(
+    token_logprob_B, top_logprobs, top_ids = _token_logprobs(
         logits_BV, token_B, active_B & (rows.logprobs >= 0), state.top_ids.shape[-1])
 
     num_tokens_B = state.num_tokens + active_B
-    recent_BM = _shift_in(state.recent, token_B, active_B)
+    recent = _shift_in(state.recent, token_B, active_B)
     eos_B = active_B & stopping.is_eos(token_B, stops.stop_token_ids)
     stop_len_B = jnp.where(active_B & ~eos_B & (step_B >= stops.min_tokens),
-                           stopping.matched_stop_length(recent_BM, stops.stop_sequences), 0)
+                           stopping.matched_stop_length(recent, stops.stop_sequences), 0)
     stop_B = stop_len_B > 0
     full_B = active_B & (num_tokens_B >= stops.max_new_tokens)
     finish_B = jnp.select([eos_B, stop_B, full_B],
@@ -154,13 +161,13 @@ def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArr
         next_token=jnp.where(active_B, token_B, state.next_token),
         tokens=record(state.tokens, token_B),
         logprobs=record(state.logprobs, token_logprob_B),
-        top_ids=record(state.top_ids, top_ids_BR),
-        top_logprobs=record(state.top_logprobs, top_logprobs_BR),
+        top_ids=record(state.top_ids, top_ids),
+        top_logprobs=record(state.top_logprobs, top_logprobs),
         step=step_B + active_B,
         done=state.done | eos_B | stop_B | full_B,
         finish=finish_B,
         num_tokens=num_tokens_B - stop_len_B,
-        recent=recent_BM,
+        recent=recent,
         window=_shift_in(state.window, token_B, active_B),
         output_counts=state.output_counts.at[row_B, token_B].add(active_B.astype(jnp.int32)),
     )

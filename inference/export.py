@@ -15,21 +15,23 @@ the model has a tokenizer, a copy of it beside them: OUT.tokenizer.json (a run's
 Each file is written to a temporary name and renamed into place: a killed export leaves
 whole files or none.
 
-The call, fixed (B, T, N: the exported --batch, --prompt-len, --max-new-tokens):
+The call, fixed (B, T, max_new_tokens: the exported --batch, --prompt-len,
+--max-new-tokens):
 
   exported.call(tokens_BT int32[B, T], lengths_B int32[B], temperature_B float32[B],
-                top_p_B float32[B], seed_B uint32[B]) -> (tokens_BN int32[B, N],
-                                                          num_tokens_B int32[B])
+                top_p_B float32[B], seed_B uint32[B])
+      -> (output_tokens int32[B, max_new_tokens], num_tokens_B int32[B])
 
-Prompts are right-padded (what lies past a row's length is ignored); temperature 0 is greedy;
-a row stops after the model's EOS id (kept and counted) when it has one, else after N
-tokens; `tokens_BN[b, :num_tokens_B[b]]` is row b's output, 0 after it. The program is
-`inference.generation.generation` (prefill, the `lax.scan` decode loop in a `lax.while_loop`,
-sampling, EOS stop) on those inputs, so a row's tokens equal `inference.generate`'s for the
-same prompt, temperature, top_p, seed and max_new_tokens N (up to float rounding: XLA's
-attention runs here, the CPU kernel there); the prompt's hash that keys a row's noise is
-computed in the graph (`inference.sampling.prompt_hashes`). Another batch or prompt length
-is another export: shapes are fixed, and a call with others fails with jax's shape error.
+Prompts are right-padded (what lies past a row's length is ignored); temperature 0 is
+greedy; a row stops after the model's EOS id (kept and counted) when it has one, else after
+max_new_tokens tokens; `output_tokens[b, :num_tokens_B[b]]` is row b's output, 0 after it.
+The program is `inference.generation.generation` (prefill, the `lax.scan` decode loop in a
+`lax.while_loop`, sampling, EOS stop) on those inputs, so a row's tokens equal
+`inference.generate`'s for the same prompt, temperature, top_p, seed and max_new_tokens (up
+to float rounding: XLA's attention runs here, the CPU kernel there); the prompt's hash that
+keys a row's noise is computed in the graph (`inference.sampling.prompt_hashes`). Another
+batch or prompt length is another export: shapes are fixed, and a call with others fails
+with jax's shape error.
 
 The attention is XLA's portable path (`gpt_jax.kernels.portable`): the CPU kernel is a
 custom call registered only in a process that imported gpt_jax.
@@ -66,8 +68,8 @@ TOKENIZER_HOW = {  # how a process without gpt_jax reads each kind of tokenizer 
              "ByteLevel pre-tokenizer and decoder",
 }
 
-# The call signature: (name, dtype, shape in letters, meaning). B batch, T prompt length,
-# N max_new_tokens.
+# The call signature: (name, dtype, axes, meaning). B batch, T prompt length, and
+# max_new_tokens in words.
 INPUTS = (
     ("tokens_BT", "int32", "BT", "prompt token ids, right-padded (ids in [0, vocab_size); "
                                  "anything past a row's length is ignored)"),
@@ -78,10 +80,10 @@ INPUTS = (
     ("seed_B", "uint32", "B", "each row's seed: the same seed and prompt repeat exactly"),
 )
 OUTPUTS = (
-    ("tokens_BN", "int32", "BN", "generated token ids; row b's are its first num_tokens_B[b], "
-                                 "then 0"),
+    ("output_tokens", "int32", ("B", "max_new_tokens"),
+     "generated token ids; row b's are its first num_tokens_B[b], then 0"),
     ("num_tokens_B", "int32", "B", "tokens generated per row (an EOS that ended the row "
-                                   "counted), at most N"),
+                                   "counted), at most max_new_tokens"),
 )
 
 
@@ -117,10 +119,10 @@ def check_shape(config: GPTConfig, batch, prompt_len, max_new_tokens, platforms=
 def generation_fn(params, config: GPTConfig, *, batch: int, max_new_tokens: int,
                   eos_token_id=None, cache_dtype=jnp.float32):
     """The function `export_generate` exports: `(tokens_BT, lengths_B, temperature_B,
-    top_p_B, seed_B) -> (tokens_BN, num_tokens_B)` (see INPUTS, OUTPUTS), with `params`
+    top_p_B, seed_B) -> (output_tokens, num_tokens_B)` (see INPUTS, OUTPUTS), with `params`
     (cast to `cache_dtype`, in the decode layout) closed over as constants. It runs
     `inference.generation.generation` with the rows' sampling arrays built from its inputs:
-    every other sampling option off, EOS the only stop, max_new_tokens N for every row."""
+    every other sampling option off, EOS the only stop, `max_new_tokens` for every row."""
     params = jax.jit(decode_layout)(jax.tree.map(lambda a: a.astype(cache_dtype), params))
     eos = () if eos_token_id is None else (int(eos_token_id),)
     # Constant arrays, made here: made inside the trace they would be traced values.
@@ -181,8 +183,8 @@ def describe(exported: jax.export.Exported, config: GPTConfig, *, program: str,
              eos_token_id, source: str, dtype: str, tokenizer: dict | None) -> dict:
     """The JSON written beside the program: how to load and call it, and what it holds."""
     B, T = exported.in_avals[0].shape
-    N = exported.out_avals[0].shape[1]
-    size = {"B": B, "T": T, "N": N}
+    max_new_tokens = exported.out_avals[0].shape[1]
+    size = {"B": B, "T": T, "max_new_tokens": max_new_tokens}
 
     def args(table):
         return [{"name": name, "dtype": dtype, "shape": [size[a] for a in axes],
@@ -193,10 +195,10 @@ def describe(exported: jax.export.Exported, config: GPTConfig, *, program: str,
         "load": "jax.export.deserialize(bytearray(open(program, 'rb').read())) (needs jax "
                 "and flatbuffers)",
         "call": "exported.call(tokens_BT, lengths_B, temperature_B, top_p_B, seed_B) -> "
-                "(tokens_BN, num_tokens_B)",
+                "(output_tokens, num_tokens_B)",
         "inputs": args(INPUTS),
         "outputs": args(OUTPUTS),
-        "batch": B, "prompt_len": T, "max_new_tokens": N,
+        "batch": B, "prompt_len": T, "max_new_tokens": max_new_tokens,
         "eos_token_id": eos_token_id,
         "stop": ("after the EOS id (kept and counted in num_tokens_B)" if eos_token_id
                  is not None else "after max_new_tokens (the model has no EOS id)"),

@@ -5,6 +5,9 @@ row's last token; a sequence longer than the context ("crop" requests) runs from
 max_seq_len tokens, as nanoGPT's `sample` does (`idx_cond = idx[:, -block_size:]`). It
 shares the loop, sampler and stop logic of `inference.decode`, so any difference from
 `generate` is the cache's fault.
+
+Shapes: the letters of `gpt_jax.model`, and here C, the context (max_seq_len); prompts are
+counted in words.
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ def naive_model(params, config, capacity, cache_dtype):
     `inference.steps.cached_model`)."""
     del cache_dtype  # nothing is cached
 
-    def prefill_fn(tokens_PT, lengths_P, source_B, forked):
+    def prefill_fn(prompt_tokens, prompt_lengths, source_B, forked):
         del forked  # every row is computed from scratch anyway
-        P, T = tokens_PT.shape
-        seqs = Sequences(jnp.zeros((P, capacity), jnp.int32).at[:, :T].set(tokens_PT), lengths_P)
+        n_prompts, T = prompt_tokens.shape
+        seqs = Sequences(jnp.zeros((n_prompts, capacity), jnp.int32).at[:, :T].set(prompt_tokens),
+                         prompt_lengths)
         seqs = jax.tree.map(lambda x: x[source_B], seqs)  # decode row b is prompt source_B[b]
         return _last_logits(params, config, seqs), seqs
 

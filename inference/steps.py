@@ -14,6 +14,10 @@ max_seq_len tokens is predicted from its last max_seq_len tokens run from positi
 nanoGPT's `sample` crops (`window_logits`, inside the same step); learned absolute
 positions leave nothing in the cache reusable there, so such a row costs a forward over the
 window per token, while rows below the context keep decoding from the cache.
+
+Shapes: the letters of `gpt_jax.model`, and here R, the rows a call runs among the cache's
+B slots (`slots_R`), and W, a row's window of its last tokens (`inference.decode`); prompts
+and pages are counted in words.
 """
 
 from __future__ import annotations
@@ -158,33 +162,37 @@ def fork_pages(cache: PagedKVCache, source_B) -> PagedKVCache:
     """Row b continues the sequence of row `source_B[b]` (the n samples of one prompt): a row
     whose source is another row gets a copy of that row's pages and its length. Rows own
     equal page runs (`gpt_jax.cache.init_cache`)."""
-    B, M = cache.page_table.shape
+    B = cache.page_table.shape[0]
     copied_B = source_B != jnp.arange(B)
-    target_BM = jnp.where(copied_B[:, None], cache.page_table, cache.num_pages)
-    cache = kv.copy_pages(cache, cache.page_table[source_B].reshape(-1), target_BM.reshape(-1))
+    targets = jnp.where(copied_B[:, None], cache.page_table, cache.num_pages)  # [B, max_pages]
+    cache = kv.copy_pages(cache, cache.page_table[source_B].reshape(-1), targets.reshape(-1))
     return cache.replace(lengths=cache.lengths[source_B])
 
 
 def cached_model(params, config, capacity, cache_dtype):
     """`(prefill_fn, step_fn)` over a paged KV cache whose rows own `capacity` token slots
     each, at most max_seq_len (`gpt_jax.cache.init_cache`); `capacity` is the longest a row
-    can grow, past max_seq_len only for "crop" requests. `prefill_fn(tokens_PT, lengths_P,
-    source_B, forked)` prefills the P prompts into the first decode row of each and, when
-    `forked` (static: some prompt has n > 1), copies their pages to the other rows of the
-    same prompt. `step_fn` predicts a row whose cache is full from its window (`run_step`).
-    The weights take the decode layout once here, outside the decode loop."""
+    can grow, past max_seq_len only for "crop" requests. `prefill_fn(prompt_tokens,
+    prompt_lengths, source_B, forked)` (int32 `[prompts, T]` right-padded and `[prompts]`;
+    row b decodes prompt `source_B[b]`) prefills the prompts into the first decode row of
+    each and, when `forked` (static: some prompt has n > 1), copies their pages to the other
+    rows of the same prompt. `step_fn` predicts a row whose cache is full from its window
+    (`run_step`). The weights take the decode layout once here, outside the decode loop."""
     params = decode_layout(params)
     capacity = min(capacity, config.max_seq_len)
 
-    def prefill_fn(tokens_PT, lengths_P, source_B, forked):
-        P, B = tokens_PT.shape[0], source_B.shape[0]
+    def prefill_fn(prompt_tokens, prompt_lengths, source_B, forked):
+        n_prompts, B = prompt_tokens.shape[0], source_B.shape[0]
         cache = init_cache_rows(config, B, capacity, cache_dtype)
         if not forked:  # row p is prompt p (rows past the prompts are padding)
-            logits_PV, cache = run_prefill(params, config, tokens_PT, lengths_P, cache)
-            return logits_PV[source_B], cache
-        first_P = jnp.full((P,), B, jnp.int32).at[source_B].min(jnp.arange(B, dtype=jnp.int32))
-        logits_PV, cache = run_prefill(params, config, tokens_PT, lengths_P, cache, first_P)
-        return logits_PV[source_B], fork_pages(cache, first_P[source_B])
+            logits, cache = run_prefill(params, config, prompt_tokens, prompt_lengths, cache)
+            return logits[source_B], cache
+        # each prompt's first decode row (B: a prompt no row decodes), where it is prefilled
+        first_row = jnp.full((n_prompts,), B, jnp.int32).at[source_B].min(
+            jnp.arange(B, dtype=jnp.int32))
+        logits, cache = run_prefill(params, config, prompt_tokens, prompt_lengths, cache,
+                                    first_row)  # logits: [prompts, V]
+        return logits[source_B], fork_pages(cache, first_row[source_B])
 
     def step_fn(tokens_B, cache, advance_B, window_BW=None):
         return run_step(params, config, tokens_B, cache, advance_B, window_BW)

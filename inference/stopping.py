@@ -18,6 +18,10 @@ stop comes after the first min_tokens tokens, and an output ended by an EOS hold
 min_tokens + 1 tokens; one cut before a stop sequence or string may hold fewer, since the
 match may start inside them. `max_new_tokens` still ends the row (`SamplingParams` refuses
 min_tokens > max_new_tokens).
+
+Shapes: B and V of `gpt_jax.model`, and here E, a row's EOS ids; a row's token stop
+sequences (`n_sequences`) and their length (`seq_len`, also the width of the recent tokens
+they are matched against) are counted in words.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def _width(n: int) -> int:
 class StopArrays:
     max_new_tokens: jax.Array  # [B] int32, most tokens each row may generate
     stop_token_ids: jax.Array  # [B, E] int32, EOS ids per row, padded with UNUSED
-    stop_sequences: jax.Array  # [B, Q, M] int32, token stop sequences, right-aligned, UNUSED-padded
+    # [B, n_sequences, seq_len] int32, token stop sequences, right-aligned, UNUSED-padded
+    stop_sequences: jax.Array
     min_tokens: jax.Array  # [B] int32, no stop before a row's step reaches it; 0 = off
 
     @classmethod
@@ -58,16 +63,18 @@ class StopArrays:
     def from_lists(cls, max_new_tokens: list[int], stop_token_ids: list[tuple[int, ...]],
                    stop_sequences: list[tuple[tuple[int, ...], ...]], widths=(0, 0, 0),
                    min_tokens: list[int] | None = None):
-        """Arrays for these rows, `(E, Q, M)` wide: `widths` or, where larger, what the rows
-        need (`needed_widths`). `min_tokens` defaults to 0 (off) for every row."""
-        E, Q, M = np.maximum(widths, needed_widths(stop_token_ids, stop_sequences))
+        """Arrays for these rows, `(E, n_sequences, seq_len)` wide: `widths` or, where
+        larger, what the rows need (`needed_widths`). `min_tokens` defaults to 0 (off) for
+        every row."""
+        E, n_sequences, seq_len = np.maximum(widths, needed_widths(stop_token_ids,
+                                                                   stop_sequences))
         ids = np.full((len(stop_token_ids), E), UNUSED, np.int32)
         for row, row_ids in enumerate(stop_token_ids):
             ids[row, : len(row_ids)] = row_ids
-        sequences = np.full((len(stop_sequences), Q, M), UNUSED, np.int32)
+        sequences = np.full((len(stop_sequences), n_sequences, seq_len), UNUSED, np.int32)
         for row, row_sequences in enumerate(stop_sequences):
             for q, sequence in enumerate(row_sequences):
-                sequences[row, q, M - len(sequence):] = sequence
+                sequences[row, q, seq_len - len(sequence):] = sequence
         return cls(
             max_new_tokens=jnp.asarray(np.array(max_new_tokens, np.int32)),
             stop_token_ids=jnp.asarray(ids),
@@ -77,8 +84,8 @@ class StopArrays:
 
 
 def needed_widths(stop_token_ids, stop_sequences) -> tuple[int, int, int]:
-    """`(E, Q, M)`: EOS ids, token stop sequences and their longest length per row, each
-    rounded up to a multiple of 4 (few shapes, few compiles)."""
+    """`(E, n_sequences, seq_len)`: EOS ids, token stop sequences and their longest length
+    per row, each rounded up to a multiple of 4 (few shapes, few compiles)."""
     return (_width(max(map(len, stop_token_ids), default=0)),
             _width(max(map(len, stop_sequences), default=0)),
             _width(max((len(q) for row in stop_sequences for q in row), default=0)))
@@ -103,14 +110,15 @@ def ban_early_eos(logits_BV: jax.Array, step_B: jax.Array, stops: StopArrays) ->
     return jnp.where(banned_BV, -jnp.inf, logits_BV)
 
 
-def matched_stop_length(recent_BM: jax.Array, stop_sequences_BQM: jax.Array) -> jax.Array:
+def matched_stop_length(recent: jax.Array, stop_sequences: jax.Array) -> jax.Array:
     """int32 `[B]`: length of the longest token stop sequence the row's output ends with, 0 if
-    none. `recent_BM` holds the row's last M tokens (BEFORE_START where the output is shorter),
-    so a sequence never matches across the prompt boundary."""
-    used_BQM = stop_sequences_BQM != UNUSED
-    same_BQM = stop_sequences_BQM == recent_BM[:, None, :]
-    matched_BQ = (same_BQM | ~used_BQM).all(-1) & used_BQM.any(-1)
-    return jnp.where(matched_BQ, used_BQM.sum(-1), 0).max(-1).astype(jnp.int32)
+    none. `recent` (`[B, seq_len]`) holds the row's last seq_len tokens (BEFORE_START where
+    the output is shorter), so a sequence never matches across the prompt boundary;
+    `stop_sequences` is `StopArrays.stop_sequences`."""
+    used = stop_sequences != UNUSED  # [B, n_sequences, seq_len]
+    same = stop_sequences == recent[:, None, :]
+    matched = (same | ~used).all(-1) & used.any(-1)  # [B, n_sequences]
+    return jnp.where(matched, used.sum(-1), 0).max(-1).astype(jnp.int32)
 
 
 def find_stop(text: str, stops: tuple[str, ...], after: int = 0) -> tuple[int, int] | None:

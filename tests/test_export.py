@@ -55,8 +55,8 @@ for line in sys.stdin:  # one job per line, as the test exports them
     exported = jax.export.deserialize(bytearray(open(job["program"], "rb").read()))
     inputs = np.load(job["inputs"])
     args = [inputs[name] for name in job["names"]]
-    tokens_BN, num_tokens_B = exported.call(*args)
-    np.savez(job["outputs"], tokens_BN=tokens_BN, num_tokens_B=num_tokens_B)
+    output_tokens, num_tokens_B = exported.call(*args)
+    np.savez(job["outputs"], output_tokens=output_tokens, num_tokens_B=num_tokens_B)
     errors = {}
     for what, grow in (("batch", lambda a: np.concatenate([a, a[:1]])),
                        ("prompt_len", lambda a: np.pad(a, ((0, 0), (0, 1))))):
@@ -101,9 +101,9 @@ def call_inputs(prompts, rows, T):
             "seed_B": np.array([r["seed"] for r in rows], np.uint32)}
 
 
-def reference(params, config, prompts, rows, N, eos=None):
+def reference(params, config, prompts, rows, max_new_tokens, eos=None):
     """`inference.generate`'s tokens for the same requests (the CPU kernel's attention)."""
-    sampling = [SamplingParams(max_new_tokens=N, stop_token_ids=() if eos is None else (eos,),
+    sampling = [SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=() if eos is None else (eos,),
                                **r) for r in rows]
     return [o.tokens for o in generate(params, config, prompts, sampling)]
 
@@ -200,7 +200,7 @@ def exported(tmp_path_factory):
     got = {}
     for name in cases:
         result = np.load(folder / f"{name}-out.npz")
-        got[name] = [row[:n].tolist() for row, n in zip(result["tokens_BN"],
+        got[name] = [row[:n].tolist() for row, n in zip(result["output_tokens"],
                                                          result["num_tokens_B"])]
     return {"folder": folder, "report": report, "expected": expected, "got": got,
             "cases": cases, "gpt2_program": program}
@@ -249,7 +249,7 @@ def test_the_cli_writes_the_program_its_description_and_the_tokenizer(exported):
         ("temperature_B", "float32", [4]), ("top_p_B", "float32", [4]),
         ("seed_B", "uint32", [4])]
     assert [(a["name"], a["dtype"], a["shape"]) for a in description["outputs"]] == [
-        ("tokens_BN", "int32", [4, 24]), ("num_tokens_B", "int32", [4])]
+        ("output_tokens", "int32", [4, 24]), ("num_tokens_B", "int32", [4])]
     assert description["platforms"] == ["cpu", "cuda"]
     assert description["eos_token_id"] is None and description["model"]["config"]["d_model"] == 128
     assert description["tokenizer"]["files"] == [f"{out.name}.tokenizer.json"]

@@ -143,7 +143,7 @@ def test_a_huge_steps_per_call_places_only_the_batches_a_call_can_run(corpus, tm
                              max_steps=30, eval_interval=25, steps_per_call=200_000,
                              sample_tokens=0)
     T.train(cfg)
-    calls = [shape for shape in shapes if len(shape) == 4]  # [K, A, B, T]; 2-D: evaluation
+    calls = [shape for shape in shapes if len(shape) == 4]  # [call_size, A, B, T]; 2-D: evaluation
     assert calls and {shape[0] for shape in calls} == {25}, calls
     rows = report.read_metrics(cfg.run_dir)
     assert [(r["step"], len(r["train_losses"])) for r in rows] == [(25, 25), (30, 5)]

@@ -260,12 +260,12 @@ def test_greedy_tokens_equal_float32_until_float32_is_nearly_tied(char_model, ch
     q, _, (reference, logits), _ = char_int8
     scale, _, max_error = _logit_errors(logits, reference)
     m = float(np.max(max_error / scale))
-    P, T = reference.shape[:2]  # as many prompts as windows: forward's program is reused
+    n_prompts, T = reference.shape[:2]  # as many prompts as windows: forward's program is reused
     prompt_len, new = 24, T - 24  # prompt and new tokens fill the context exactly
-    starts = np.random.default_rng(1).integers(0, len(held_out) - prompt_len, P)
+    starts = np.random.default_rng(1).integers(0, len(held_out) - prompt_len, n_prompts)
     prompts = [held_out[s:s + prompt_len].tolist() for s in starts]
     # float32 greedy: each step's logits from forward over the sequence so far (padded)
-    seqs = np.zeros((P, T), np.int32)
+    seqs = np.zeros((n_prompts, T), np.int32)
     seqs[:, :prompt_len] = prompts
     steps = []
     for t in range(new):
@@ -274,7 +274,7 @@ def test_greedy_tokens_equal_float32_until_float32_is_nearly_tied(char_model, ch
         steps.append(at)
         if prompt_len + t < T:
             seqs[:, prompt_len + t] = at.argmax(-1)
-    steps = np.stack(steps, 1)  # [P, new, V]
+    steps = np.stack(steps, 1)  # [n_prompts, new, V]
     want = steps.argmax(-1).tolist()
     greedy = SamplingParams(temperature=0.0, max_new_tokens=new)
     got = [o.tokens for o in generate(q, config, prompts, greedy)]

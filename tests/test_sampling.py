@@ -406,9 +406,9 @@ def counting_model(params, config, capacity, cache_dtype):
     """The cached model, recording how many rows each compiled prefill runs."""
     prefill_fn, step_fn = steps.cached_model(params, config, capacity, cache_dtype)
 
-    def counted(tokens_PT, lengths_P, source_B, forked):
-        PREFILL_ROWS.append(tokens_PT.shape[0])
-        return prefill_fn(tokens_PT, lengths_P, source_B, forked)
+    def counted(prompt_tokens, prompt_lengths, source_B, forked):
+        PREFILL_ROWS.append(prompt_tokens.shape[0])
+        return prefill_fn(prompt_tokens, prompt_lengths, source_B, forked)
 
     return counted, step_fn
 

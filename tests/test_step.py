@@ -65,9 +65,9 @@ def test_steps_in_one_call_equal_the_same_steps_one_call_each():
     for k in range(3):
         state, loss = train_steps(state, x[k:k + 1], y[k:k + 1], np.int32(1))
         losses.append(float(loss[0]))
-    called, losses_K = train_steps(fresh(), x, y, np.int32(3))
-    assert_close(losses_K[:3], np.array(losses), 1e-6, "losses")
-    assert float(losses_K[3]) == 0.0
+    called, call_losses = train_steps(fresh(), x, y, np.int32(3))
+    assert_close(call_losses[:3], np.array(losses), 1e-6, "losses")
+    assert float(call_losses[3]) == 0.0
     for a, b in zip(jax.tree.leaves(called), jax.tree.leaves(state)):
         assert_close(a, b, 1e-5, "params and optimizer state after 3 steps")
 

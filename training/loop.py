@@ -207,8 +207,9 @@ class Loop:
         return state, out_of_time
 
     def place_batches(self, step: int):
-        """`(step, (x, y))`: the batches of steps `step .. step + K - 1` (`step_batch`,
-        K = `call_size`) on the mesh, int32 `[K, A, B, T]` each; a call runs the first n."""
+        """`(step, (x, y))`: the batches of steps `step .. step + call_size - 1`
+        (`step_batch`) on the mesh, int32 `[call_size, A, B, T]` each (A micro-batches:
+        `training.step`); a call runs the first n."""
         xy = [step_batch(self.cfg, self.batches, s) for s in range(step, step + self.call_size)]
         x, y = (np.stack(arrays) for arrays in zip(*xy))
         return step, (sharding.put_batch(x, self.mesh, 2), sharding.put_batch(y, self.mesh, 2))

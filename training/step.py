@@ -5,10 +5,13 @@ Usage:
   optimizer = make_optimizer(cfg)
   state, shardings = init_state(cfg, config, optimizer, mesh)
   train_steps = make_train_steps(config, optimizer, shardings=shardings)
-  state, losses_K = train_steps(state, x_KABT, y_KABT, n)   # the first n of K steps; the
-                                                             # old state's buffers are donated
+  state, losses = train_steps(state, xs, ys, n)   # the first n of the call's steps; the
+                                                  # old state's buffers are donated
 
 `training/loop.py` runs these in its loop; `benchmarks/train_vs_torch.py` times them.
+
+Shapes: the letters of `gpt_jax.model`, and here A, the micro-batches of one optimizer step
+(their gradients averaged); the steps of one call are named in words (`[steps, A, B, T]`).
 """
 
 from __future__ import annotations
@@ -134,13 +137,13 @@ def _train_step(config: GPTConfig, optimizer, compute_dtype, shardings: TrainSta
 
 def make_train_steps(config: GPTConfig, optimizer, compute_dtype=jnp.float32,
                      shardings: TrainState | None = None):
-    """`train_steps(state, x_KABT, y_KABT, n) -> (state, losses_K)`, jitted, donating the
-    old state: optimizer steps (`_train_step`) on the first `n` (int32 scalar, 1 <= n <= K)
-    of K steps' batches, as ONE compiled program (a `lax.fori_loop` with a traced trip
-    count, so every n shares one compilation). `losses_K[:n]` are the steps' losses in
-    order, the rest 0; x_KABT, y_KABT are int32 `[K, A, B, T]`, the batch axis (2) split over
-    the mesh. `shardings` (from `init_state`) pins the new state to the old one's layout on
-    a mesh.
+    """`train_steps(state, xs, ys, n) -> (state, losses)`, jitted, donating the old
+    state: optimizer steps (`_train_step`) on the first `n` (int32 scalar, 1 <= n <= steps)
+    of the call's steps' batches, as ONE compiled program (a `lax.fori_loop` with a traced
+    trip count, so every n shares one compilation). `losses[:n]` (float32 `[steps]`) are the
+    steps' losses in order, the rest 0; xs, ys are int32 `[steps, A, B, T]`, the batch axis
+    (2) split over the mesh. `shardings` (from `init_state`) pins the new state to the old
+    one's layout on a mesh.
 
     Why: the host's per-step work (dispatching the step, placing its batch, reading its
     loss, the loop's bookkeeping) runs on the same cores as the devices (on CPU every core
@@ -149,14 +152,14 @@ def make_train_steps(config: GPTConfig, optimizer, compute_dtype=jnp.float32,
     """
     train_step = _train_step(config, optimizer, compute_dtype, shardings)
 
-    def train_steps(state: TrainState, x_KABT, y_KABT, n):
+    def train_steps(state: TrainState, xs, ys, n):
         def body(k, carry):
-            state, losses_K = carry
-            state, loss = train_step(state, x_KABT[k], y_KABT[k])
-            return state, losses_K.at[k].set(loss)
+            state, losses = carry
+            state, loss = train_step(state, xs[k], ys[k])
+            return state, losses.at[k].set(loss)
 
-        losses_K = jnp.zeros(x_KABT.shape[0], jnp.float32)
-        return jax.lax.fori_loop(0, n, body, (state, losses_K))
+        losses = jnp.zeros(xs.shape[0], jnp.float32)  # [steps]
+        return jax.lax.fori_loop(0, n, body, (state, losses))
 
     out_shardings = None if shardings is None else (shardings, None)
     return jax.jit(train_steps, donate_argnames="state", out_shardings=out_shardings)

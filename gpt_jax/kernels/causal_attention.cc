@@ -19,7 +19,7 @@
 //   backward: q, k, v, lse as above, d_out f32 [B, T, N, H]
 //             -> d_q f32 [B, T, N, H], d_k, d_v f32 [B, T, K, H]
 //
-// Built by gpt_jax/kernels/build.py on first use (gpt_jax/kernels/causal_attention.py binds it).
+// Built by gpt_jax/kernels/builder.py on first use (gpt_jax/kernels/causal_attention.py binds it).
 
 #include <algorithm>
 #include <cmath>

@@ -12,6 +12,8 @@ Dao 2023). On GPU and TPU the XLA path runs (`jax.lax.platform_dependent`).
 Built, cached and registered by `gpt_jax.kernels.builder` on first use; if they cannot be
 built, a warning says why and XLA's path runs; `GPT_JAX_CPU_KERNEL=0` turns them off, as does
 `gpt_jax.kernels.portable()`.
+
+Shapes: the letters of `gpt_jax.model`, and G, query heads per kv head (`gpt_jax.attention`).
 """
 
 from __future__ import annotations

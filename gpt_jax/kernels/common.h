@@ -1,6 +1,6 @@
 // Shared by the native CPU kernels (paged_attention.cc, causal_attention.cc, int8_matmul.cc):
 // a parallel loop over XLA:CPU's intra-op thread pool and eight-float vector helpers. Built
-// into each kernel by gpt_jax/kernels/build.py (its text is part of every kernel's cache key).
+// into each kernel by gpt_jax/kernels/builder.py (its text is part of every kernel's cache key).
 
 #ifndef GPT_JAX_KERNELS_COMMON_H_
 #define GPT_JAX_KERNELS_COMMON_H_

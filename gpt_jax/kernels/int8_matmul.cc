@@ -8,24 +8,25 @@
 // rows' accumulators with fused multiply-adds, and each channel's sum is scaled at the end.
 // Panels of channels are spread over XLA's intra-op thread pool.
 //
-// The weights come in panels of sixteen channels, w[P, I, 16] (P = ceil(O / 16), channels
-// past O zero): the sixteen weights of input i for sixteen channels are consecutive bytes,
-// so the kernel reads memory strictly in order (a panel is one stream, which the hardware
-// prefetcher follows; separate channel rows ran at half the speed here), and one widened
-// 16-float register (two of 8 floats with AVX2) holds a panel's channels: the
-// outer-product form, y[r, 16 channels] += x[r, i] * w[i, 16 channels], needs no
-// horizontal sums and lets several rows share each widening.
+// The weights come in panels of sixteen channels, w[n_panels, I, 16] (n_panels =
+// ceil(O / 16), channels past O zero): the sixteen weights of input i for sixteen channels
+// are consecutive bytes, so the kernel reads memory strictly in order (a panel is one
+// stream, which the hardware prefetcher follows, faster than separate channel rows:
+// benchmarks/README.md, "The kernel"), and one widened 16-float register (two of 8 floats
+// with AVX2) holds a panel's channels: the outer-product form,
+// y[r, 16 channels] += x[r, i] * w[i, 16 channels], needs no horizontal sums and lets
+// several rows share each widening.
 //
 // Arguments (M rows: the product of x's leading axes, which vmap adds), then one or more
 // weights that all multiply x (a layer's q, k and v projections: one call, one parallel
 // loop over the panels of all three):
 //   x      f32 [..., M, I]
-//   w      s8  [..., P, I, 16] leading axes of size 1 (shared by every row, as vmap's
-//                              expand_dims passes them)
+//   w      s8  [..., n_panels, I, 16] leading axes of size 1 (shared by every row, as
+//                                     vmap's expand_dims passes them)
 //   scale  f32 [..., O]        as w
 // Results: per weight, y f32 [..., M, O].
 //
-// Built by gpt_jax/kernels/build.py on first use (gpt_jax/kernels/int8_matmul.py binds it).
+// Built by gpt_jax/kernels/builder.py on first use (gpt_jax/kernels/int8_matmul.py binds it).
 
 #include <algorithm>
 #include <cstdint>
@@ -126,9 +127,9 @@ void panel_tile(const float* x, int64_t I, const int8_t* panel, float* out) {
   const int64_t stride = I * kPanel;  // bytes from one panel to the next
   int64_t i = 0;
   for (; i + U <= I; i += U) {
-    // One cache line per 64 bytes of each panel, 4 KB ahead (of 8-channel panels, 2 KB
-    // took one thread from 14 to 16 GB/s; 16-channel panels read twice the bytes per input,
-    // and 4 KB ran 1-3% faster than 2 KB at 1, 2 and 8 rows).
+    // One cache line per 64 bytes of each panel, 4 KB ahead (16-channel panels read twice
+    // the bytes per input of the 8-channel ones, for which 2 KB was chosen; figures in
+    // benchmarks/README.md, "A third pass").
     if (((i * kPanel) & 63) < U * kPanel)
       for (int p = 0; p < NP; ++p)
         __builtin_prefetch(panel + p * stride + i * kPanel + kPrefetchBytes);
@@ -204,15 +205,10 @@ void rows(const float* x, const int8_t* w, const float* scale, int64_t I, int64_
 // task's panels stream by; the panels left over, and every panel for one or two rows (a
 // decode step of one or two sequences: bound by reading the weights), one at a time.
 //
-// Measured with AVX-512 on Zen 4 (115 GFLOP/s FMA peak per core), against the previous
-// kernel (8-channel panels in 8-float registers, three panels by eight rows with 32
-// registers), old and new builds alternated in one process over GPT-2's 49 decode
-// matmuls: 1.10x at 8 rows (154 -> 170 GFLOP/s on 2 cores), 1.17x at 64, 1.22x at 512 (a
-// prefill), 1.01-1.06x at 1, 2 and 4 rows; one core from memory at 8 rows, 78-89 -> 94-103
-// GFLOP/s (both ~105-110 with the weights in L2): the wider registers halve the
-// instructions per multiply-add, so the core keeps more of the stream in flight. One or two
-// rows ran 1.14x and 1.20x faster panel by panel than three panels at a time. With AVX2
-// only (`-mno-avx512f`): 1.03x, 1.06x, 1.01x at 1, 8 and 64 rows.
+// 16-float registers (AVX-512) over the previous 8-float ones halve the instructions per
+// multiply-add, so the core keeps more of the weight stream in flight; one or two rows go
+// panel by panel, faster there than three panels at a time (measurements, AVX-512 and
+// AVX2 alone: benchmarks/README.md, "A third pass").
 void panels(const float* x, const int8_t* w, const float* scale, int64_t M, int64_t I,
             int64_t O, int64_t p0, int64_t p1, float* y) {
   const int64_t block = std::max<int64_t>(
@@ -232,7 +228,7 @@ struct Matrix {
   const int8_t* w;
   const float* scale;
   float* y;
-  int64_t O, P;
+  int64_t O, n_panels;
 };
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
@@ -253,16 +249,16 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     if (y.has_error()) return y.error();
     auto w_dims = w->dimensions(), s_dims = scale->dimensions();
     if (w_dims.size() < 3 || s_dims.size() < 1 || w_dims[w_dims.size() - 1] != kPanel)
-      return ffi::Error::InvalidArgument("w must be [..., P, I, 16] and scale [..., O]");
-    const int64_t P = w_dims[w_dims.size() - 3], O = s_dims[s_dims.size() - 1];
-    if (w_dims[w_dims.size() - 2] != I || P != (O + kPanel - 1) / kPanel)
+      return ffi::Error::InvalidArgument("w must be [..., n_panels, I, 16] and scale [..., O]");
+    const int64_t n_panels = w_dims[w_dims.size() - 3], O = s_dims[s_dims.size() - 1];
+    if (w_dims[w_dims.size() - 2] != I || n_panels != (O + kPanel - 1) / kPanel)
       return ffi::Error::InvalidArgument("w must be [ceil(O / 16), I, 16] for x's I and scale's O");
-    if (w->element_count() != P * I * kPanel || scale->element_count() != O)
+    if (w->element_count() != n_panels * I * kPanel || scale->element_count() != O)
       return ffi::Error::InvalidArgument(
           "w and scale must be shared by all rows (leading axes 1)");
     if ((*y)->element_count() != M * O)
       return ffi::Error::InvalidArgument("each result must be [..., M, O]");
-    matrices.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), O, P});
+    matrices.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), O, n_panels});
   }
   if (I == 0) {
     for (auto& m : matrices) std::fill(m.y, m.y + M * m.O, 0.0f);
@@ -271,18 +267,18 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   // Runs of panels of one matrix per task, `kTasksPerThread` per thread over all the
   // matrices of the call (one parallel loop for all: the threads never wait between them).
   int64_t panels_in_all = 0;
-  for (auto& m : matrices) panels_in_all += m.P;
+  for (auto& m : matrices) panels_in_all += m.n_panels;
   int64_t per_task = std::max<int64_t>(
       1, panels_in_all / (kTasksPerThread * std::max<int64_t>(1, pool.num_threads())));
   per_task = (per_task + kTilePanels - 1) / kTilePanels * kTilePanels;
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (matrix, first panel)
   for (size_t k = 0; k < matrices.size(); ++k)
-    for (int64_t p = 0; p < matrices[k].P; p += per_task) tasks.emplace_back(k, p);
+    for (int64_t p = 0; p < matrices[k].n_panels; p += per_task) tasks.emplace_back(k, p);
   const float* xs = x.typed_data();
   parallel_for(pool, tasks.size(), [&](int64_t task) {
     const auto [k, p0] = tasks[task];
     const Matrix& m = matrices[k];
-    panels(xs, m.w, m.scale, M, I, m.O, p0, std::min(m.P, p0 + per_task), m.y);
+    panels(xs, m.w, m.scale, M, I, m.O, p0, std::min(m.n_panels, p0 + per_task), m.y);
   });
   return ffi::Error::Success();
 }

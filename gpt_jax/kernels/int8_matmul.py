@@ -11,6 +11,8 @@ intra-op thread pool. On GPU and TPU the XLA path runs (`jax.lax.platform_depend
 Built, cached and registered by `gpt_jax.kernels.builder` on first use; if it cannot be
 built, a warning says why and the XLA path runs; `GPT_JAX_CPU_KERNEL=0` turns it off, and
 programs traced inside `gpt_jax.kernels.portable()` never use it.
+
+Shapes: a product's rows M, inputs I and outputs O, as in `gpt_jax.layers`.
 """
 
 from __future__ import annotations

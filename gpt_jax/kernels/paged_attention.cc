@@ -10,15 +10,17 @@
 //   q           f32 [..., K, G, H]  queries, G per kv head
 //   lengths     s32 [...]           slots to attend per row (0: the output is zeros; past
 //                                   the row's pages: all of them)
-//   page_table  s32 [..., M]        the row's pages in order; a negative entry ends the row
-//   k_pool      f32 or bf16 [..., N, K, P, H]  key pages (leading axes of size 1: shared)
+//   page_table  s32 [..., max_pages]  the row's pages in order; a negative entry ends the
+//                                     row
+//   k_pool      f32 or bf16 [..., num_pages, K, P, H]  key pages (leading axes of size 1:
+//                                                      shared)
 //   v_pool      as k_pool           value pages
 // Results: out f32 [..., K, G, H], softmax(q k^T / sqrt(H)) v with a float32 softmax
 // (Vaswani et al. 2017), max-subtracted (online, page by page, for H of 32, 64 and 128);
 // and lse f32 [..., K, G], the log of the softmax denominator (log sum exp of the scores;
 // -1e30 for a row with no slot), so the caller can fold in more keys (online softmax).
 //
-// Built by gpt_jax/kernels/build.py on first use (gpt_jax/kernels/paged_attention.py binds it).
+// Built by gpt_jax/kernels/builder.py on first use (gpt_jax/kernels/paged_attention.py binds it).
 
 #include <algorithm>
 #include <atomic>
@@ -50,12 +52,12 @@ inline float to_f32(uint16_t bf16) {  // bfloat16 is the top half of a float32
 
 constexpr float kNoScore = -1e30f;  // lse of a row with no slot (the model's MASK_VALUE)
 
-// One pool of pages, [N, K, P, H], and the page tables, [B, M], that index it.
+// One pool of pages, [num_pages, K, P, H], and the page tables, [B, max_pages], that index it.
 template <typename T>
 struct Pool {
   const T* data;
   const int32_t* page_table;
-  int64_t num_pages, K, P, H, M;
+  int64_t num_pages, K, P, H, max_pages;
 
   const T* slots(int64_t page, int64_t k) const { return data + ((page * K + k) * P) * H; }
 };
@@ -64,8 +66,8 @@ struct Pool {
 // [0, length). A page table entry outside the pool ends the row.
 template <typename T, typename Fn>
 void for_each_page(const Pool<T>& pool, int64_t b, int64_t length, Fn fn) {
-  for (int64_t i = 0, s = 0; i < pool.M && s < length; ++i) {
-    const int64_t page = pool.page_table[b * pool.M + i];
+  for (int64_t i = 0, s = 0; i < pool.max_pages && s < length; ++i) {
+    const int64_t page = pool.page_table[b * pool.max_pages + i];
     if (page < 0 || page >= pool.num_pages) return;
     const int64_t n = std::min<int64_t>(pool.P, length - s);
     fn(page, s, n);
@@ -77,8 +79,8 @@ void for_each_page(const Pool<T>& pool, int64_t b, int64_t length, Fn fn) {
 template <typename T>
 int64_t row_capacity(const Pool<T>& pool, int64_t b) {
   int64_t i = 0;
-  while (i < pool.M && pool.page_table[b * pool.M + i] >= 0 &&
-         pool.page_table[b * pool.M + i] < pool.num_pages) ++i;
+  while (i < pool.max_pages && pool.page_table[b * pool.max_pages + i] >= 0 &&
+         pool.page_table[b * pool.max_pages + i] < pool.num_pages) ++i;
   return i * pool.P;
 }
 
@@ -131,9 +133,8 @@ void attend_one(const float* q_GH, const Pool<T>& keys, const Pool<T>& values, i
 // 2018; the decode form of FlashAttention, Dao et al. 2022): per query head a running max,
 // a running sum and the output's running sum, rescaled when the max grows. So a row's keys
 // and values are read as two streams of whole pages (48 KB per GPT-2 page, all heads), not
-// 4 KB per head per page where the hardware prefetcher started again at every piece: GPT-2
-// at batch 8 over 128 slots, 17 -> 23 GB/s on two threads here (old and new alternated;
-// attention 4.4 -> 3.3 ms a step). The query and output stay in registers while a page's
+// 4 KB per head per page where the hardware prefetcher started again at every piece
+// (benchmarks/README.md, "A third pass"). The query and output stay in registers while a page's
 // slots are dotted four at a time (independent accumulator chains).
 template <typename T, int64_t H>
 void attend_heads(const float* q_KGH, const Pool<T>& keys, const Pool<T>& values, int64_t b,
@@ -213,22 +214,23 @@ void attend_heads(const float* q_KGH, const Pool<T>& keys, const Pool<T>& values
 
 template <typename T>
 ffi::Error run(ffi::ThreadPool& pool, const float* q, const int32_t* lengths, int64_t B,
-               int64_t K, int64_t G, int64_t H, const int32_t* page_table, int64_t M,
+               int64_t K, int64_t G, int64_t H, const int32_t* page_table, int64_t max_pages,
                ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, float* out, float* lse) {
   auto dims = k_pool.dimensions();
   if (dims.size() < 4 || dims[dims.size() - 3] != K || dims[dims.size() - 1] != H)
-    return ffi::Error::InvalidArgument("pools must be [..., N, K, P, H] with q's K and H");
+    return ffi::Error::InvalidArgument(
+        "pools must be [..., num_pages, K, P, H] with q's K and H");
   auto v_dims = v_pool.dimensions();
   if (v_pool.element_type() != k_pool.element_type() || v_dims.size() != dims.size() ||
       !std::equal(dims.begin(), dims.end(), v_dims.begin()))
     return ffi::Error::InvalidArgument("key and value pools differ in dtype or shape");
-  const int64_t N = dims[dims.size() - 4], P = dims[dims.size() - 2];
-  if (k_pool.element_count() != N * K * P * H)
+  const int64_t num_pages = dims[dims.size() - 4], P = dims[dims.size() - 2];
+  if (k_pool.element_count() != num_pages * K * P * H)
     return ffi::Error::InvalidArgument("pools must be shared by all rows (leading axes 1)");
-  const Pool<T> keys{reinterpret_cast<const T*>(k_pool.untyped_data()), page_table, N, K, P, H,
-                     M};
-  const Pool<T> values{reinterpret_cast<const T*>(v_pool.untyped_data()), page_table, N, K, P,
-                       H, M};
+  const Pool<T> keys{reinterpret_cast<const T*>(k_pool.untyped_data()), page_table, num_pages,
+                     K, P, H, max_pages};
+  const Pool<T> values{reinterpret_cast<const T*>(v_pool.untyped_data()), page_table,
+                       num_pages, K, P, H, max_pages};
   // Contiguous runs of (row, kv head) items per task (a run may end part-way through a row's
   // heads and go on into the next row's), each row's part of a run in one call.
   const int64_t items = B * K, run_size = std::max<int64_t>(1, items / 8);
@@ -268,18 +270,19 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t K = dims[dims.size() - 3], G = dims[dims.size() - 2], H = dims[dims.size() - 1];
   const int64_t B = lengths.element_count();
   auto table_dims = page_table.dimensions();
-  if (table_dims.size() < 1) return ffi::Error::InvalidArgument("page_table must be [..., M]");
-  const int64_t M = table_dims[table_dims.size() - 1];
-  if (page_table.element_count() != B * M || q.element_count() != B * K * G * H)
+  if (table_dims.size() < 1)
+    return ffi::Error::InvalidArgument("page_table must be [..., max_pages]");
+  const int64_t max_pages = table_dims[table_dims.size() - 1];
+  if (page_table.element_count() != B * max_pages || q.element_count() != B * K * G * H)
     return ffi::Error::InvalidArgument("q, lengths and page_table differ in rows");
   switch (k_pool.element_type()) {
     case ffi::DataType::F32:
       return run<float>(pool, q.typed_data(), lengths.typed_data(), B, K, G, H,
-                        page_table.typed_data(), M, k_pool, v_pool, out->typed_data(),
+                        page_table.typed_data(), max_pages, k_pool, v_pool, out->typed_data(),
                         lse->typed_data());
     case ffi::DataType::BF16:
       return run<uint16_t>(pool, q.typed_data(), lengths.typed_data(), B, K, G, H,
-                           page_table.typed_data(), M, k_pool, v_pool, out->typed_data(),
+                           page_table.typed_data(), max_pages, k_pool, v_pool, out->typed_data(),
                            lse->typed_data());
     default:
       return ffi::Error::InvalidArgument("pools must be float32 or bfloat16");

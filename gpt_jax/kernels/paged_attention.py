@@ -2,8 +2,8 @@
 custom call), used by `gpt_jax.attention.attend_paged` when the program runs on CPU.
 
 Why: XLA:CPU computes one query's attention over the cache as batched matrix-vector dots
-on ONE thread, at about half the memory bandwidth two cores reach, and reads whole pages.
-At gpt2 batch 32 that was ~45 ms of a ~170 ms decode step. The kernel spreads the
+on ONE thread, at about half the memory bandwidth two cores reach, and reads whole pages
+(benchmarks/README.md, "Decode attention on both cores"). The kernel spreads the
 (row, kv head) pairs over XLA's intra-op thread pool and reads exactly each row's live
 slots, page by page through the row's page table. On GPU and TPU the XLA path runs
 (`jax.lax.platform_dependent`).
@@ -13,6 +13,8 @@ The kernel is built from source on first use, cached and registered by
 says why and the XLA path runs; `GPT_JAX_CPU_KERNEL=0` turns it off. Programs traced inside
 `gpt_jax.kernels.portable()` never use it: a program that leaves this process (`jax.export`,
 `inference.export`) cannot call a kernel registered here.
+
+Shapes: the letters of `gpt_jax.model`, and G, query heads per kv head (`gpt_jax.attention`).
 """
 
 from __future__ import annotations
