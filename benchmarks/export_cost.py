@@ -61,8 +61,8 @@ def xla_generate(params, config, prompts, sampling):
     """`generate` with XLA's portable attention (same packing, program and unpacking)."""
     batch = generation.pack(config, *generation.validate(config, prompts, sampling))
     with kernels.portable():
-        state = xla_program(params, config, batch.tokens_PT, batch.lengths_P, batch.source_B,
-                            batch.rows, batch.stops, capacity=batch.capacity,
+        state = xla_program(params, config, batch.prompt_tokens, batch.prompt_lengths,
+                            batch.source_B, batch.rows, batch.stops, capacity=batch.capacity,
                             n_steps=batch.n_steps, n_top=batch.n_top,
                             model_fns=cached_model, cache_dtype=np.dtype("float32"),
                             pad_id=0, forked=batch.forked)

@@ -178,10 +178,11 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
     no progress bars), and print the KV cache size of the batch with its formula (to `file`,
     default stdout)."""
     config = llm.config
-    token_prompts, per_prompt = validate(config, [llm.tokenizer.encode(p) for p in prompts], sampling)
+    token_prompts, per_prompt = validate(config, [llm.tokenizer.encode(p) for p in prompts],
+                                         sampling)
     batch = pack(config, token_prompts, per_prompt)
-    B, S = batch.tokens_PT.shape[0], min(batch.capacity, config.max_seq_len)  # cache slots
-    tokens, lengths = jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P)
+    B, S = batch.prompt_tokens.shape[0], min(batch.capacity, config.max_seq_len)  # cache slots
+    tokens, lengths = jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.prompt_lengths)
 
     def run_prefill():
         cache = init_cache_rows(config, B, S, llm.cache_dtype)
@@ -199,7 +200,7 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
     new_tokens = sum(len(o.tokens) for o in outputs)
     itemsize = np.dtype(llm.cache_dtype).itemsize
     print(f"prefill: {prefill_s * 1e3:.1f} ms for {len(prompts)} prompts "
-          f"(padded to {batch.tokens_PT.shape[1]} tokens)", file=file)
+          f"(padded to {batch.prompt_tokens.shape[1]} tokens)", file=file)
     print(f"decode: {new_tokens} tokens in {total_s - prefill_s:.2f} s = "
           f"{new_tokens / (total_s - prefill_s):,.0f} tokens/s (batch {len(prompts)})",
           file=file)

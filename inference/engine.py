@@ -103,13 +103,10 @@ class Engine:
         padded length of the call, filled with several prompts' chunks
         (`Scheduler.prefill_work`).
       prefill_chunk_tokens: most tokens of one prompt per prefill step (vLLM's
-        long_prefill_token_threshold). A prefill step stalls the running requests once. At
-        gpt2 shape on 2 CPU cores, with 16 requests decoding while a 1,000-token prompt
-        loads, their p99 time per token stays within 2x its median with 64-token chunks
-        (1.59-1.71x) but not always with 128 (1.84-2.36x); arriving prompts of 16-128
-        tokens are admitted faster two to a 128-token call than one to a 64-token call
-        (`benchmarks/serving.py arrivals` at 8 requests/s: 1.66x static batching's tokens/s
-        with these defaults, 1.46x with a 64-token budget).
+        long_prefill_token_threshold). A prefill step stalls the running requests once:
+        smaller chunks bound the stall a long prompt causes, while a larger call budget
+        admits short arriving prompts two at a time (the defaults' measurements:
+        benchmarks/README.md, "Serving").
     Raises:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
@@ -163,7 +160,8 @@ class Engine:
                                    max_prefill_tokens=max_prefill_tokens,
                                    prefill_chunk_tokens=prefill_chunk_tokens,
                                    prefix_caching=prefix_caching, decode_chunk=CHUNK)
-        self.widths = (4, 4, 4)  # stop arrays' (E, Q, M), grown on demand
+        # the stop arrays' widths (EOS ids, stop sequences, sequence length), grown on demand
+        self.widths = (4, 4, 4)
         cache = kv.empty_cache(config, num_pages, max_slots, max_pages, page_size, dtype)
         B, V, C = max_slots, config.vocab_size, config.max_seq_len
         # The token buffer is a ring of C (>= one chunk) steps: the host reads every chunk.
@@ -265,14 +263,15 @@ class Engine:
         if self.scheduler.requests:
             raise RuntimeError("warm the Engine up before adding requests")
         before = sum(compile_counts().values())
-        V, M = self.config.vocab_size, self.state.recent.shape[1]
+        V, recent_width = self.config.vocab_size, self.state.recent.shape[1]
         rows, stops = self._row_arrays()
         table = self._page_table()
         zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
-        for R, T in self.scheduler.prefill_shapes():
+        for R, T in self.scheduler.prefill_shapes():  # R prefill rows (batching.py's R)
             batch = PrefillBatch(*map(jnp.asarray, (
                 zeros(R, T), zeros(R), zeros(R), np.full(R, self.max_slots, np.int32),
-                zeros(R, dtype=bool), zeros(R), np.full((R, M), stopping.BEFORE_START, np.int32),
+                zeros(R, dtype=bool), zeros(R),
+                np.full((R, recent_width), stopping.BEFORE_START, np.int32),
                 zeros(R, self.config.max_seq_len), zeros(R, V, dtype=bool),
                 zeros(R, V))))  # padding rows: no effect
             self.state = engine_prefill(self.params, self.config, self.state, table, batch,

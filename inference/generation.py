@@ -36,17 +36,18 @@ from inference.scheduler import MIN_PROMPT_BUCKET, bucket
 from inference.steps import cached_model
 from inference.validation import check_request
 
-def _start(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity, n_steps,
-           n_top, model_fns, cache_dtype, forked, pad_id):
+
+def _start(params, config, prompt_tokens, prompt_lengths, source_B, rows, stops, *, capacity,
+           n_steps, n_top, model_fns, cache_dtype, forked, pad_id):
     """Prefill, and the first token of every row sampled from the prefill's logits."""
     prefill_fn, _ = model_fns(params, config, capacity, cache_dtype)
-    logits_BV, model = prefill_fn(tokens_PT, lengths_P, source_B, forked)
-    seen_PV = prompt_seen(tokens_PT, lengths_P, logits_BV.shape[-1])
+    logits_BV, model = prefill_fn(prompt_tokens, prompt_lengths, source_B, forked)
+    seen_by_prompt = prompt_seen(prompt_tokens, prompt_lengths, logits_BV.shape[-1])
     width = config.max_seq_len if capacity > config.max_seq_len else 0  # a row may outgrow it
-    window_PW = prompt_window(tokens_PT, lengths_P, width, pad_id)
-    state = init_state(model, jnp.take(seen_PV, source_B, axis=0), stops,
-                       jnp.take(window_PW, source_B, axis=0), n_steps=n_steps, n_top=n_top,
-                       pad_id=pad_id)
+    window_by_prompt = prompt_window(prompt_tokens, prompt_lengths, width, pad_id)
+    state = init_state(model, jnp.take(seen_by_prompt, source_B, axis=0), stops,
+                       jnp.take(window_by_prompt, source_B, axis=0), n_steps=n_steps,
+                       n_top=n_top, pad_id=pad_id)
     return sample_and_record(state, logits_BV, ~state.done, rows, stops, pad_id)
 
 
@@ -54,13 +55,13 @@ _STATIC = ("config", "capacity", "n_steps", "n_top", "model_fns", "cache_dtype",
            "forked")
 
 
-def generation(params, config, tokens_PT, lengths_P, source_B, rows, stops, *, capacity,
+def generation(params, config, prompt_tokens, prompt_lengths, source_B, rows, stops, *, capacity,
                n_steps, n_top, model_fns, cache_dtype, pad_id, forked) -> DecodeState:
     """Prefill and the whole decode loop, traceable: `generate_program` jits it and
     `inference.export` exports it. Returns the final DecodeState."""
-    state = _start(params, config, tokens_PT, lengths_P, source_B, rows, stops, capacity=capacity,
-                   n_steps=n_steps, n_top=n_top, model_fns=model_fns, cache_dtype=cache_dtype,
-                   forked=forked, pad_id=pad_id)
+    state = _start(params, config, prompt_tokens, prompt_lengths, source_B, rows, stops,
+                   capacity=capacity, n_steps=n_steps, n_top=n_top, model_fns=model_fns,
+                   cache_dtype=cache_dtype, forked=forked, pad_id=pad_id)
     _, step_fn = model_fns(params, config, capacity, cache_dtype)
     return decode_loop(state, step_fn, rows, stops, pad_id)
 
@@ -88,8 +89,8 @@ class Batch:
     """Validated requests packed into bucketed arrays: one prefill row per request, one
     decode row per sample."""
 
-    tokens_PT: np.ndarray  # [P, T] int32, right-padded prompts, one row per request
-    lengths_P: np.ndarray  # [P] int32
+    prompt_tokens: np.ndarray  # [prompts, T] int32, right-padded, one row per request
+    prompt_lengths: np.ndarray  # [prompts] int32
     source_B: np.ndarray  # [B] int32, the prefill row each decode row starts from
     rows: SamplingArrays
     stops: stopping.StopArrays
@@ -158,8 +159,8 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
     padded = rows + [filler] * (B - n_real)
     want_logprobs = any(r.logprobs is not None for r in rows)
     return Batch(
-        tokens_PT=tokens,
-        lengths_P=lengths,
+        prompt_tokens=tokens,
+        prompt_lengths=lengths,
         source_B=np.array(source + [0] * (B - n_real), np.int32),
         rows=SamplingArrays.from_params(
             padded, seeds + [0] * (B - n_real), index + [0] * (B - n_real),
@@ -217,7 +218,7 @@ def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_
         return [Completion([], "length", sp.seed or 0) for sp in sampling for _ in range(sp.n)]
     batch = pack(config, prompts, sampling, pad_id)
     state = generate_program(
-        params, config, jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P),
+        params, config, jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.prompt_lengths),
         jnp.asarray(batch.source_B), batch.rows, batch.stops, capacity=batch.capacity,
         n_steps=batch.n_steps, n_top=batch.n_top, model_fns=model_fns, cache_dtype=cache_dtype,
         pad_id=pad_id, forked=batch.forked,
@@ -232,8 +233,8 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
     Args:
       params: weights in either layout (stacked, `gpt_jax.params.decode_layout`), or int8
         (`gpt_jax.params.quantize(params, "int8")`). Stacked ones are laid out inside the
-        program on every call (a copy of every weight: gpt2 batch 1, 64 new tokens, 1.24x
-        the tokens/s laid out once beforehand): to call it repeatedly, lay them out once
+        program on every call (a copy of every weight; its cost: benchmarks/README.md, the
+        int8 section's "suspected re-layout"): to call it repeatedly, lay them out once
         (`jax.jit(decode_layout)(params)`, as `inference.LLM` does).
       prompts: list of token-id lists, any lengths.
       sampling: one SamplingParams for all prompts, or one per prompt (default greedy-free

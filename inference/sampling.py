@@ -258,8 +258,8 @@ def row_keys(seed_B, prompt_hash_B, sample_index_B, step_B):
 def greedy_tokens(logits_BV: jax.Array) -> jax.Array:
     """int32 [B]: each row's first index of its largest logit, `jnp.argmax`'s choice, as
     two plain reductions (a max, then a min over the indices that reach it): XLA:CPU
-    vectorizes those, not argmax's value-and-index reduction (gpt2's [8, 50257] logits:
-    0.34-0.42 ms against 0.99-1.09). `sample` maps NaN to -inf before it; a NaN row
+    vectorizes those, not argmax's value-and-index reduction (benchmarks/README.md,
+    "Sampling parameters"). `sample` maps NaN to -inf before it; a NaN row
     would give V - 1, still a token."""
     V = logits_BV.shape[-1]
     index_BV = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, 1)
@@ -316,7 +316,7 @@ def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, st
         return jax.vmap(jax.random.categorical)(keys_B, scaled_BV).astype(jnp.int32)
 
     # An all-greedy batch draws no random numbers: the [B, V] Gumbel noise cost as much as
-    # the rest of sampling (24 ms per gpt2 step at batch 32).
+    # the rest of sampling (benchmarks/README.md).
     drawn_B = jax.lax.cond(sampled_rows_B.any(), draw, lambda _: greedy_B, logits_BV)
     tokens_B = jnp.where(sampled_rows_B, drawn_B, greedy_B)
     return jnp.where(finite_B, tokens_B, pad_id)

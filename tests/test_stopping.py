@@ -37,7 +37,7 @@ def run_state(params, config, sampling):
     prompts, sampling = generation.validate(config, PROMPTS, sampling)
     batch = generation.pack(config, prompts, sampling, pad_id=PAD)
     state = generation.generate_program(
-        params, config, jnp.asarray(batch.tokens_PT), jnp.asarray(batch.lengths_P),
+        params, config, jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.prompt_lengths),
         jnp.asarray(batch.source_B), batch.rows, batch.stops, capacity=batch.capacity,
         n_steps=batch.n_steps, n_top=batch.n_top, model_fns=forced_eos_model,
         cache_dtype=jnp.float32, pad_id=PAD, forked=batch.forked)
