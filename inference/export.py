@@ -21,7 +21,8 @@ The call, fixed (B, T, N: the exported --batch, --prompt-len, --max-new-tokens):
                 top_p_B float32[B], seed_B uint32[B]) -> (tokens_BN int32[B, N],
                                                           num_tokens_B int32[B])
 
-Prompts are right-padded (what lies past a row's length is ignored); temperature 0 is greedy;
+Prompts are right-padded (what lies past a row's length is ignored; ids outside
+[0, vocab_size) are clamped to it, a negative one to 0); temperature 0 is greedy;
 a row stops after the model's EOS id (kept and counted) when it has one, else after N
 tokens; `tokens_BN[b, :num_tokens_B[b]]` is row b's output, 0 after it. The program is
 `inference.generation.generation` (prefill, the `lax.scan` decode loop in a `lax.while_loop`,
@@ -69,8 +70,9 @@ TOKENIZER_HOW = {  # how a process without gpt_jax reads each kind of tokenizer 
 # The call signature: (name, dtype, shape in letters, meaning). B batch, T prompt length,
 # N max_new_tokens.
 INPUTS = (
-    ("tokens_BT", "int32", "BT", "prompt token ids, right-padded (ids in [0, vocab_size); "
-                                 "anything past a row's length is ignored)"),
+    ("tokens_BT", "int32", "BT", "prompt token ids, right-padded (ids in [0, vocab_size), "
+                                 "others clamped to it; anything past a row's length is "
+                                 "ignored)"),
     ("lengths_B", "int32", "B", "real tokens of each prompt, in [1, T] (clipped to it)"),
     ("temperature_B", "float32", "B", "0 = greedy; otherwise logits are divided by it"),
     ("top_p_B", "float32", "B", "nucleus sampling: keep the smallest set of tokens whose "
@@ -132,6 +134,9 @@ def generation_fn(params, config: GPTConfig, *, batch: int, max_new_tokens: int,
         T = tokens_BT.shape[1]
         lengths_B = jnp.clip(lengths_B, 1, T)
         real_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
+        # clamped on both sides before anything reads them (a gather wraps a negative id:
+        # -5 would run as V-5), the prompt's hash included; a program cannot raise
+        tokens_BT = jnp.clip(tokens_BT, 0, config.vocab_size - 1)
         tokens_BT = jnp.where(real_BT, tokens_BT, PAD_ID)  # as generate pads
         rows = defaults.replace(temperature=temperature_B, top_p=top_p_B, seed=seed_B,
                                 prompt_hash=prompt_hashes(tokens_BT, lengths_B, jnp))
