@@ -88,6 +88,21 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(corpus, t
     assert [r["step"] for r in rows] == list(range(every, steps + 1, every))
 
 
+def test_keep_checkpoints_holds_across_resumes(corpus, tmp_path):
+    """Fault (issue 41, found by a new user: --keep-checkpoints 3 ended with 11 checkpoints):
+    a resumed run kept every checkpoint saved before it. Resumed twice (--max-steps raised
+    each time, as the README extends a run), the run keeps the last k and the best."""
+    cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
+                             max_steps=4, eval_interval=2, keep_checkpoints=2)
+    for max_steps in (4, 6, 8):
+        T.train(dataclasses.replace(cfg, max_steps=max_steps))
+    rows = report.read_metrics(cfg.run_dir)
+    best = min(rows, key=lambda r: r["val_loss"])["step"]
+    folders = {int(p.name) for p in Path(cfg.run_dir, "checkpoints").iterdir()}
+    assert [r["step"] for r in rows] == [2, 4, 6, 8]
+    assert folders == {6, 8, best}
+
+
 def test_cli_flags_override_the_preset():
     cfg = T.config_from_args(["--preset", "nanogpt-cpu", "--batch-size", "4",
                               "--shard-params", "true", "--text", "x.txt"])
