@@ -2,6 +2,7 @@
 # make test: set up .venv with the test extras and run the test suite.
 # RETRAIN=1 make demo trains again (the old run directory is kept beside it).
 # make lock: rewrite .ci/constraints.txt, the versions `make test` and `make demo` install.
+# make device-check: the tests that matter and two benchmarks on an NVIDIA GPU (README).
 
 PYTHON ?= python3
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -11,7 +12,7 @@ TRAIN_SECONDS ?= 450
 # The lock: pyproject.toml's ranges resolved to the versions the tests passed with (pip -c).
 LOCK := .ci/constraints.txt
 
-.PHONY: demo test lock clean
+.PHONY: demo test lock device-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +54,11 @@ $(VENV)/.browser-installed: | $(VENV)/bin/python
 
 test: $(VENV)/.test-installed $(VENV)/.browser-installed
 	$(PY) -m pytest -q -n 3 --dist loadfile  # three workers on 2 cores: compiling is mostly one core's work, and a worker often waits on a subprocess
+
+# On a machine with an NVIDIA GPU: the CUDA build of jax, the invariant tests on the GPU, two
+# benchmarks, one JSON (runs/device-check.json). Without one: one line, exit 1, no install.
+device-check:
+	@$(PYTHON) .ci/device_check.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache  # .pytest_cache holds the tests' compilation cache
