@@ -6,8 +6,9 @@ Layout of a run directory:
   tokenizer.json     the tokenizer (char-level JSON, or the `tokenizers` BPE format)
   metrics.jsonl      one JSON object per evaluation
   loss.png           train and val loss against step and against wall time
-  checkpoints/<step>/{params,opt_state,meta}   Orbax, written atomically; the last k and
-                     the one with the lowest val loss are kept
+  checkpoints/<step>/{params,opt_state,meta,metrics}   Orbax, written atomically; the
+                     last k and the one with the lowest val loss (metrics) are kept, also
+                     across resumes
   checkpoints/<step>/files.sha256.json   the digest of every file above
 
 Every file is written to a temporary name and renamed into place, and Orbax finalises a
@@ -99,12 +100,19 @@ class CorruptCheckpointError(RuntimeError):
 def manager(run_dir, keep: int = 3) -> ocp.CheckpointManager:
     """An Orbax manager over `run_dir/checkpoints` keeping the last `keep` checkpoints plus
     the one with the lowest `val_loss` metric."""
+    val_loss = lambda metrics: metrics["val_loss"]  # noqa: E731
+    # A checkpoint without a val loss (saved before they were written to disk) is kept by
+    # LatestN alone: Orbax's BestN would keep every such one forever.
     policy = ocp.checkpoint_managers.AnyPreservationPolicy([
         ocp.checkpoint_managers.LatestN(keep),
-        ocp.checkpoint_managers.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1),
+        ocp.checkpoint_managers.BestN(get_metric_fn=val_loss, reverse=True, n=1,
+                                      keep_checkpoints_without_metrics=False),
     ])
-    options = ocp.CheckpointManagerOptions(preservation_policy=policy,
-                                           enable_async_checkpointing=False)
+    # best_fn makes Orbax write each checkpoint's metrics beside it (without it they live in
+    # memory only, and a resumed run's manager would rank nothing): the ranking survives
+    # a resume; which checkpoints are kept is the policy's alone.
+    options = ocp.CheckpointManagerOptions(preservation_policy=policy, best_fn=val_loss,
+                                           best_mode="min", enable_async_checkpointing=False)
     return ocp.CheckpointManager(
         Path(run_dir).absolute() / "checkpoints", options=options,
         item_names=("params", "opt_state", "meta"),

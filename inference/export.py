@@ -22,8 +22,9 @@ The call, fixed (B, T, max_new_tokens: the exported --batch, --prompt-len,
                 top_p_B float32[B], seed_B uint32[B])
       -> (output_tokens int32[B, max_new_tokens], num_tokens_B int32[B])
 
-Prompts are right-padded (what lies past a row's length is ignored); temperature 0 is
-greedy; a row stops after the model's EOS id (kept and counted) when it has one, else after
+Prompts are right-padded (what lies past a row's length is ignored; ids outside
+[0, vocab_size) are clamped to it, a negative one to 0); temperature 0 is greedy; a row
+stops after the model's EOS id (kept and counted) when it has one, else after
 max_new_tokens tokens; `output_tokens[b, :num_tokens_B[b]]` is row b's output, 0 after it.
 The program is `inference.generation.generation` (prefill, the `lax.scan` decode loop in a
 `lax.while_loop`, sampling, EOS stop) on those inputs, so a row's tokens equal
@@ -71,8 +72,9 @@ TOKENIZER_HOW = {  # how a process without gpt_jax reads each kind of tokenizer 
 # The call signature: (name, dtype, axes, meaning). B batch, T prompt length, and
 # max_new_tokens in words.
 INPUTS = (
-    ("tokens_BT", "int32", "BT", "prompt token ids, right-padded (ids in [0, vocab_size); "
-                                 "anything past a row's length is ignored)"),
+    ("tokens_BT", "int32", "BT", "prompt token ids, right-padded (ids in [0, vocab_size), "
+                                 "others clamped to it; anything past a row's length is "
+                                 "ignored)"),
     ("lengths_B", "int32", "B", "real tokens of each prompt, in [1, T] (clipped to it)"),
     ("temperature_B", "float32", "B", "0 = greedy; otherwise logits are divided by it"),
     ("top_p_B", "float32", "B", "nucleus sampling: keep the smallest set of tokens whose "
@@ -134,6 +136,9 @@ def generation_fn(params, config: GPTConfig, *, batch: int, max_new_tokens: int,
         T = tokens_BT.shape[1]
         lengths_B = jnp.clip(lengths_B, 1, T)
         real_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
+        # clamped on both sides before anything reads them (a gather wraps a negative id:
+        # -5 would run as V-5), the prompt's hash included; a program cannot raise
+        tokens_BT = jnp.clip(tokens_BT, 0, config.vocab_size - 1)
         tokens_BT = jnp.where(real_BT, tokens_BT, PAD_ID)  # as generate pads
         rows = defaults.replace(temperature=temperature_B, top_p=top_p_B, seed=seed_B,
                                 prompt_hash=prompt_hashes(tokens_BT, lengths_B, jnp))

@@ -323,15 +323,20 @@ class Scheduler:
             if sum(wants.values()) <= self.pool.num_free():
                 break
             victim = max(self.active, key=lambda s: s.admitted)
-            self.free(victim)
-            victim.status = Status.WAITING
-            self.waiting.appendleft(victim)
-            self.preemptions += 1
+            self.preempt(victim)
             preempted.append(victim)
         for seq in running:
             for _ in range(wants[id(seq)]):
                 seq.pages.append(self.pool.allocate())
         return preempted
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free an active sequence's pages and slot and put it at the front of the queue,
+        its output kept: admitted again, it is recomputed from its prompt and output."""
+        self.free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
 
     def _pages_wanted(self, seq: Sequence, chunk: int) -> int:
         end = min(seq.length + chunk, len(seq.prompt) + seq.sampling.max_new_tokens,

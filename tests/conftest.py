@@ -12,28 +12,8 @@ from pathlib import Path
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
-def _known_xla_flags(flags: str) -> str:
-    """The flags in `flags` that this jaxlib's XLA knows (an unknown flag in XLA_FLAGS
-    aborts the process; jax is not pinned): each name must appear in one of its libraries."""
-    import importlib.util
-    import mmap
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("jaxlib")
-    libraries = [] if spec is None or spec.origin is None else \
-        sorted(Path(spec.origin).parent.rglob("*.so"))
-    names = {flag: flag.split("=")[0].lstrip("-").encode() for flag in flags.split()}
-    found = set()
-    for library in libraries:
-        with library.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            found |= {flag for flag, name in names.items() if m.find(name) >= 0}
-        if len(found) == len(names):
-            break
-    return " ".join(flag for flag in flags.split() if flag in found)
-
-
+# Both flags are in the locked jaxlib (.ci/constraints.txt; an unknown flag aborts the process).
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # a subprocess has them already
-    TEST_XLA_FLAGS = _known_xla_flags(TEST_XLA_FLAGS)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 import jax  # noqa: E402

@@ -42,6 +42,19 @@ def test_manager_keeps_the_last_k_and_the_best(tmp_path):
         checkpoint.save(mngr, step, params, params, {"step": step}, val_loss)
     assert sorted(mngr.all_steps()) == [2, 4, 5]  # the best (2) and the last two
 
+def test_the_manager_keeps_the_last_k_and_the_best_across_resumes(tmp_path):
+    """Fault (issue 41, found by a new user: keep 3 ended with 11 checkpoints): the val
+    losses were kept in memory only, so a resumed run's manager saw checkpoints without
+    metrics, which Orbax's BestN keeps forever. Three managers, as a run resumed twice."""
+    params = {"w": jnp.ones((2, 3))}
+    losses = {1: 3.0, 2: 1.0, 3: 2.0, 4: 4.0, 5: 5.0, 6: 6.0, 7: 7.0}
+    for steps in ([1, 2, 3], [4, 5], [6, 7]):
+        with checkpoint.manager(tmp_path, keep=2) as mngr:
+            for step in steps:
+                checkpoint.save(mngr, step, params, params, {"step": step}, losses[step])
+    folders = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
+    assert folders == [2, 6, 7]  # the best (2) and the last two, nothing else on disk
+
 def _damage(run_dir: Path, step: int, how: str) -> Path:
     """Truncate or flip bytes in the middle of the checkpoint's largest params file."""
     files = sorted((p for p in (run_dir / "checkpoints" / str(step) / "params").rglob("*")

@@ -32,6 +32,25 @@ def test_a_benchmark_without_torch_says_what_to_install(capsys, monkeypatch):
         "out\n")
 
 
+def test_a_benchmark_that_needs_an_extra_names_it_before_it_runs(capsys, monkeypatch):
+    """Fault (issue 41): `gpt-jax bench serve` failed on the `make test` venv, deep in the
+    `transformers serve` it starts, which needs accelerate (the `bench` extra, which no
+    target installs). Now one line naming the extra, before anything runs; without the
+    transformers server it needs nothing more."""
+    import runpy
+
+    ran = []
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if not installed
+    monkeypatch.setattr(runpy, "run_path", lambda path, run_name: ran.append(Path(path).name))
+    assert cli.main(["bench", "serve", "--requests", "8"]) == 1
+    assert capsys.readouterr().err == (
+        "gpt-jax bench serve: needs accelerate, the `bench` extra: `pip install -e "
+        "'.[bench]'` in the checkout; or pass --servers gpt-jax to leave transformers out\n")
+    assert ran == []
+    assert cli.main(["bench", "serve", "--servers", "gpt-jax"]) == 0 and ran == ["serve.py"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a glibc tunable")
 def test_training_restarts_itself_with_huge_pages_once(tmp_path):
     (tmp_path / "probe_env.py").write_text(

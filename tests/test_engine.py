@@ -13,6 +13,7 @@ import pytest
 from conftest import assert_close, assert_lively
 from gpt_jax import CharTokenizer, init_cache
 from inference import Engine, SamplingParams, compile_counts, generate, prefill
+from inference.decode import CHUNK
 from inference.llm import LLM
 
 TOKENIZER = CharTokenizer([chr(ord("0") + i) for i in range(64)])  # '0'..'o', one per id
@@ -102,6 +103,54 @@ def test_a_small_page_pool_preempts_and_changes_no_output(config, params):
     assert_same_as_alone(config, params, requests, finals, reference="llm")
     assert stats["free_pages"] == stats["total_pages"] == 24
     assert not engine.has_unfinished_requests()
+
+
+def run_preempted(engine, prompt, sampling, at: int):
+    """Run one request, preempting it once when it has `at` tokens of output (1: after its
+    prefill, 1 + CHUNK: after one decode chunk). Returns its final RequestOutput."""
+    engine.add_request("r", prompt, sampling)
+    (seq,) = engine.scheduler.requests["r"]
+    preempted, final = False, None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+        if not preempted and len(seq.output) == at and not final:
+            engine.scheduler.preempt(seq)
+            preempted = True
+    assert preempted and engine.stats()["preemptions"] == 1
+    return final
+
+
+@pytest.mark.parametrize("at", [1, 1 + CHUNK])
+def test_a_two_token_stop_sequence_straddling_a_preemption_stops(config, params, at):
+    """Planted fault that survived (issue 41): a preempted request resumed without its
+    recent-token window, so a token stop sequence whose first token came before the
+    preemption and second after it was missed (the row ran to max_new_tokens). Greedy,
+    preempted between the two tokens: it stops there, finish_reason "stop"."""
+    def first_pair(prompt):  # the greedy tokens and the pair at `at`, when it is new there
+        tokens = generate(params, config, [prompt],
+                          SamplingParams(temperature=0.0, max_new_tokens=at + 1))[0].tokens
+        pair = tokens[at - 1: at + 1]  # the last token before the preemption, the next
+        return tokens, pair, pair not in [tokens[i:i + 2] for i in range(at - 1)]
+
+    prompts = [[3, 14, 15, 9, 26], [2, 7, 18, 28, 18], [1, 41, 42, 13, 56], [60, 2, 5, 7, 11]]
+    prompt, (tokens, pair, _) = next((p, f) for p in prompts if (f := first_pair(p))[2])
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=40, stop_sequences=[pair])
+    out = run_preempted(Engine(params, config, max_slots=2, page_size=8), prompt, sampling, at)
+    assert out.finish_reason == "stop" and out.token_ids == tokens[:at - 1]  # the pair cut
+
+
+def test_penalties_count_the_output_from_before_a_preemption(config, params):
+    """Planted fault that survived (issue 41; caught only by how one seeded workload fell):
+    a preempted request resumed with its output counts zeroed, so the frequency, presence
+    and repetition penalties forgot its tokens from before. Preempted after a decode chunk,
+    it equals the request alone."""
+    prompt = [3, 14, 15, 9, 26]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=3 * CHUNK, frequency_penalty=1.5,
+                              presence_penalty=0.5, repetition_penalty=1.3)
+    alone = generate(params, config, [prompt], sampling)[0]
+    out = run_preempted(Engine(params, config, max_slots=2, page_size=8), prompt, sampling,
+                        1 + CHUNK)
+    assert out.token_ids == alone.tokens
 
 
 def test_prefix_caching_shares_pages_and_changes_no_output(config, params):

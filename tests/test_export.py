@@ -56,7 +56,13 @@ for line in sys.stdin:  # one job per line, as the test exports them
     inputs = np.load(job["inputs"])
     args = [inputs[name] for name in job["names"]]
     output_tokens, num_tokens_B = exported.call(*args)
-    np.savez(job["outputs"], output_tokens=output_tokens, num_tokens_B=num_tokens_B)
+    # every row's first token set to each of job["first_ids"] (out-of-range ones included)
+    firsts = {}
+    for first in job["first_ids"]:
+        tokens_BT = args[0].copy()
+        tokens_BT[:, 0] = first
+        firsts[f"first_{first}"] = np.asarray(exported.call(tokens_BT, *args[1:])[0])
+    np.savez(job["outputs"], output_tokens=output_tokens, num_tokens_B=num_tokens_B, **firsts)
     errors = {}
     for what, grow in (("batch", lambda a: np.concatenate([a, a[:1]])),
                        ("prompt_len", lambda a: np.pad(a, ((0, 0), (0, 1))))):
@@ -139,7 +145,28 @@ def job(folder: Path, name: str, config, shape, out: Path) -> str:
     np.savez(folder / f"{name}-in.npz", **call_inputs(prompts, rows, shape["prompt_len"]))
     return json.dumps({"program": str(out), "inputs": str(folder / f"{name}-in.npz"),
                        "outputs": str(folder / f"{name}-out.npz"),
-                       "names": [name for name, *_ in export.INPUTS]}) + "\n"
+                       "names": [name for name, *_ in export.INPUTS],
+                       "first_ids": first_ids(config)}) + "\n"
+
+
+def first_ids(config):
+    """First prompt tokens the loader tries: two outside the vocabulary on each side, and
+    the ids the program clamps them to."""
+    V = config.vocab_size
+    return [-5, 0, V - 1, V + 5]
+
+
+def feed(process: subprocess.Popen, line: str) -> None:
+    """Write one line to a process's stdin; a process that died shows its own error, not
+    the BrokenPipeError of the write."""
+    try:
+        process.stdin.write(line)
+        process.stdin.flush()
+    except BrokenPipeError:
+        process.stdin = None  # closed: communicate() must not flush it again
+        _, stderr = process.communicate(timeout=60)
+        raise AssertionError(f"the loader exited ({process.returncode}) before reading "
+                             f"its job:\n{stderr[-3000:]}") from None
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +194,7 @@ def exported(tmp_path_factory):
                           str(char_out), "--batch", "4", "--prompt-len", "16",
                           "--max-new-tokens", "24", "--platforms", "cpu,cuda"])
         cases["char"] = (char_params, CHAR, CHAR_SHAPE, None, char_out)
-        loader.stdin.write(job(folder, "char", CHAR, CHAR_SHAPE, char_out))
-        loader.stdin.flush()
+        feed(loader, job(folder, "char", CHAR, CHAR_SHAPE, char_out))
 
         gpt2_params = quick_params(GPT2_SHAPED)
         prompts, rows = requests(GPT2_SHAPED, GPT2_SHAPE)
@@ -182,8 +208,7 @@ def exported(tmp_path_factory):
         export.write_export(program, gpt2_out, GPT2_SHAPED, eos_token_id=eos, source="test",
                             dtype="float32", tokenizer={})
         cases["gpt2"] = (gpt2_params, GPT2_SHAPED, GPT2_SHAPE, eos, gpt2_out)
-        loader.stdin.write(job(folder, "gpt2", GPT2_SHAPED, GPT2_SHAPE, gpt2_out))
-        loader.stdin.flush()
+        feed(loader, job(folder, "gpt2", GPT2_SHAPED, GPT2_SHAPE, gpt2_out))
 
         expected = {}
         for name, (params, config, shape, eos, _) in cases.items():  # while the loader runs
@@ -202,6 +227,8 @@ def exported(tmp_path_factory):
         result = np.load(folder / f"{name}-out.npz")
         got[name] = [row[:n].tolist() for row, n in zip(result["output_tokens"],
                                                          result["num_tokens_B"])]
+        got[f"{name} firsts"] = {k: result[k].tolist() for k in result.files
+                                 if k.startswith("first_")}
     return {"folder": folder, "report": report, "expected": expected, "got": got,
             "cases": cases, "gpt2_program": program}
 
@@ -224,6 +251,28 @@ def test_exported_tokens_equal_generate(exported, name):
         assert all(len(row) == shape["max_new_tokens"] for row in got)
     else:  # the greedy row stopped at the EOS id, which it kept
         assert got[0][-1] == eos and len(got[0]) < shape["max_new_tokens"]
+
+
+@pytest.mark.parametrize("name", ["char", "gpt2"])
+def test_token_ids_outside_the_vocabulary_are_clamped_on_both_sides(exported, name):
+    """Fault (issue 41): the program read id -5 as id V-5 (jax's gather wraps negative
+    indices like numpy); the README says out-of-range ids are clamped: -5 runs as 0 and
+    V+5 as V-1, the prompt's hash (a sampled row's noise) included."""
+    V = exported["cases"][name][1].vocab_size
+    firsts = exported["got"][f"{name} firsts"]
+    assert firsts["first_-5"] == firsts["first_0"]
+    assert firsts[f"first_{V + 5}"] == firsts[f"first_{V - 1}"]
+    assert firsts["first_0"] != firsts[f"first_{V - 1}"]  # the first token matters
+
+
+def test_a_loader_that_dies_shows_its_own_error():
+    """The fixture's loader failing before it read its job surfaced as a BrokenPipeError of
+    the write (issue 41); `feed` shows the loader's stderr instead."""
+    process = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('loader broke')"],
+                               stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.wait()
+    with pytest.raises(AssertionError, match="exited \\(1\\) before reading its job:\nloader broke"):
+        feed(process, "x" * 100_000 + "\n")
 
 
 def test_another_batch_or_prompt_length_fails_with_jax_shape_error(exported):

@@ -171,6 +171,24 @@ def test_prefix_pages_are_reused_only_for_the_same_tokens_at_the_same_place():
     assert page_hashes(shared + other, PAGE)[1] != page_hashes(other, PAGE)[0]
 
 
+def test_a_whole_cached_prompt_still_prefills_its_last_token():
+    """Planted fault that survived (issue 41; caught only by how one seeded workload fell):
+    a prefix lookup keyed on the whole prompt, not all but its last token, reused every
+    page of a prompt of whole pages, leaving nothing to prefill: the last token's logits,
+    which give the first new token, were never computed. Its last page is prefilled again."""
+    s = scheduler(prefix_caching=True)
+    prompt = list(range(2 * PAGE))  # whole pages
+    s.add(sequence("a", prompt))
+    run_prefill(s)
+    s.add(sequence("b", prompt, arrival=1))
+    s.admit()
+    b = s.active[1]
+    assert b.pages[0] == s.active[0].pages[0] and b.pages[1] != s.active[0].pages[1]
+    assert b.prefilled == PAGE and s.prefix_cache_hits == 1
+    assert [(w.seq, w.start, w.n, w.completes) for w in s.prefill_work()] == \
+        [(b, PAGE, PAGE, True)]
+
+
 def test_without_prefix_caching_only_the_samples_of_one_request_share_pages():
     s = scheduler(prefix_caching=False)
     prompt = list(range(33))

@@ -13,7 +13,7 @@ from conftest import assert_close
 from gpt_jax import forward
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import init_params
-from training import sharding
+from training import data, sharding
 from training.config import TrainConfig
 from training.run_dir import prepare_run
 from training.step import TrainState, evaluate, loss_fn, make_optimizer, make_train_steps
@@ -130,3 +130,22 @@ def test_val_loss_per_char_uses_the_bpe_token_length(corpus, tmp_path):
     mesh = sharding.make_mesh(1)
     evals = evaluate(params, config, dataclasses.replace(cfg, block_size=32), batches, mesh)
     assert math.isclose(evals["val_loss_per_char"], evals["val_loss"] / ratio, rel_tol=1e-9)
+
+
+def test_the_val_loss_is_the_mean_loss_over_the_val_batches():
+    """Planted fault that survived (issue 41): evaluation drawing its batches from the train
+    split passed every val-loss test (it beats the unigram entropy and goes down on the train
+    split too). With splits that differ (train all one token, val random), the reported val
+    loss is the mean loss over the val split's `eval_batches` fixed batches."""
+    config = GPTConfig.preset("tiny")
+    cfg = TrainConfig.preset("tiny", batch_size=2, block_size=8, eval_batches=3)
+    rng = np.random.default_rng(0)
+    batches = data.Batches(train=np.full(500, 5, np.int32),
+                           val=rng.integers(0, config.vocab_size, 300).astype(np.int32),
+                           block=8, val_chars_per_token=1.0)
+    params = init_params(config, jax.random.key(0))
+    evals = evaluate(params, config, cfg, batches, sharding.make_mesh(1))
+    expected = np.mean([loss_fn(params, config, *data.get_batch(batches.val, 2, 8,
+                                                                 cfg.seed + 1, i))
+                        for i in range(3)])
+    assert_close(evals["val_loss"], expected, 1e-5, "val loss")

@@ -88,6 +88,54 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(corpus, t
     assert [r["step"] for r in rows] == list(range(every, steps + 1, every))
 
 
+def test_keep_checkpoints_holds_across_resumes(corpus, tmp_path):
+    """Fault (issue 41, found by a new user: --keep-checkpoints 3 ended with 11 checkpoints):
+    a resumed run kept every checkpoint saved before it. Resumed twice (--max-steps raised
+    each time, as the README extends a run), the run keeps the last k and the best."""
+    cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
+                             max_steps=4, eval_interval=2, keep_checkpoints=2)
+    for max_steps in (4, 6, 8):
+        T.train(dataclasses.replace(cfg, max_steps=max_steps))
+    rows = report.read_metrics(cfg.run_dir)
+    best = min(rows, key=lambda r: r["val_loss"])["step"]
+    folders = {int(p.name) for p in Path(cfg.run_dir, "checkpoints").iterdir()}
+    assert [r["step"] for r in rows] == [2, 4, 6, 8]
+    assert folders == {6, 8, best}
+
+
+def test_ctrl_c_mid_checkpoint_exits_130_in_one_line_and_leaves_whole_files(corpus, tmp_path):
+    """Fault (issue 41): Ctrl-C during training printed a traceback and left an
+    `orbax-checkpoint-tmp` folder. SIGINT sent while a checkpoint is being written: the
+    run finishes that checkpoint, says so in one line and exits 130; nothing half-written
+    is left, and the same command resumes."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "training.train", "--preset", "tiny", "--text", str(corpus),
+           "--run-dir", str(run_dir), "--max-steps", "100000", "--eval-interval", "1",
+           "--cpu-devices", "1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    ckpts, deadline = run_dir / "checkpoints", time.time() + 240
+    try:
+        while not (ckpts.exists() and any("tmp" in p.name for p in ckpts.iterdir())):
+            assert proc.poll() is None and time.time() < deadline, "no checkpoint was written"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGINT)  # while Orbax writes <step>.orbax-checkpoint-tmp-*
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    assert stderr.rstrip().splitlines()[-1] == (
+        f"train: interrupted; the same command resumes from the checkpoint at step {last} "
+        f"in {run_dir}")
+    left = [p for p in run_dir.rglob("*") if "tmp" in p.name]
+    assert left == [] and all(p.name.isdigit() for p in ckpts.iterdir())
+    assert (ckpts / str(last) / checkpoint.FILE_DIGESTS).exists()  # whole, digests written
+
+
 def test_cli_flags_override_the_preset():
     cfg = T.config_from_args(["--preset", "nanogpt-cpu", "--batch-size", "4",
                               "--shard-params", "true", "--text", "x.txt"])

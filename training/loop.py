@@ -25,6 +25,7 @@ from tqdm import tqdm
 from gpt_jax import checkpoint
 from training import data, distributed, report, sharding
 from training.config import TrainConfig
+from training.process import interrupts_deferred
 from training.step import TrainState, evaluate
 
 
@@ -283,17 +284,19 @@ class Loop:
                   "step_seconds": self.step_times}  # and its wall time (the first compiles)
         self.losses, self.step_times = [], []
         if self.primary:  # one writer when several processes train together
-            report.append_metrics(self.cfg.run_dir, record)
+            with interrupts_deferred():
+                report.append_metrics(self.cfg.run_dir, record)
         self.say(bar, f"step {self.step}: train {record['train_loss']:.4f} val "
                       f"{self.evals['val_loss']:.4f} nats/token "
                       f"({self.evals['val_loss_per_char']:.4f}/char), {elapsed:.0f}s")
         if (text := self.sample(state)) is not None:
             bar.write(text)
-        checkpoint.save(self.mngr, self.step, state.params, state.opt_state,
-                        {"step": self.step, "elapsed_s": elapsed}, self.evals["val_loss"])
-        self.saved_step = self.step
-        if self.primary:
-            report.plot_losses(self.cfg.run_dir)
+        with interrupts_deferred():  # Ctrl-C now stops the run after these writes
+            checkpoint.save(self.mngr, self.step, state.params, state.opt_state,
+                            {"step": self.step, "elapsed_s": elapsed}, self.evals["val_loss"])
+            self.saved_step = self.step
+            if self.primary:
+                report.plot_losses(self.cfg.run_dir)
         self.finish_s = time.perf_counter() - tick
 
     def summary(self) -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""This process as a command: restarting it with huge pages, and ending it quietly when its
-reader closes stdout."""
+"""This process as a command: restarting it with huge pages, ending it quietly when its
+reader closes stdout, and holding Ctrl-C back while a checkpoint is written."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
@@ -44,3 +47,22 @@ def closed_pipe_is_quiet(main_fn):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1
     return run
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold SIGINT (Ctrl-C) back while the block runs, then raise the KeyboardInterrupt it
+    would have raised: a checkpoint, metrics line or plot being written is finished, never
+    left half-written (Orbax's `<step>.orbax-checkpoint-tmp-*` folder). Outside the main
+    thread (where Python runs signal handlers) it defers nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt

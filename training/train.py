@@ -218,11 +218,22 @@ def large_buffers(cfg: TrainConfig) -> bool:
     return largest >= 32 << 20
 
 
+def resume_note(cfg: TrainConfig | None) -> str:
+    """What an interrupted run left: its newest checkpoint, which the same command resumes."""
+    folder = Path(cfg.run_dir, "checkpoints") if cfg else None
+    steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) \
+        if folder and folder.is_dir() else []
+    if not steps:
+        return "no checkpoint was saved"
+    return f"the same command resumes from the checkpoint at step {steps[-1]} in {cfg.run_dir}"
+
+
 def main(argv=None, own_process: bool = False):
     """Parse, join the other processes (if any) before any JAX work, check they all run the
     same flags, train; process 0 prints the summary. `own_process` (the command line, not a
     call from Python): a large model's run first restarts itself with huge pages
     (`large_buffers`)."""
+    cfg = None
     try:
         cfg, dist = parse_args(argv)
         if own_process and large_buffers(cfg):
@@ -235,6 +246,9 @@ def main(argv=None, own_process: bool = False):
         distributed.start(dist)
         distributed.check_same("flags", dataclasses.asdict(cfg))
         summary = train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C: checkpoints are whole (see Loop.checkpoint)
+        print(f"\ntrain: interrupted; {resume_note(cfg)}", file=sys.stderr)
+        raise SystemExit(130) from None  # the shell's status for SIGINT
     except distributed.RunAborted as error:  # the others may be gone: leave without them
         distributed.exit_now(f"train: {error}")
     except (ValueError, FileNotFoundError, distributed.DistributedError) as error:
