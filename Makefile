@@ -49,7 +49,8 @@ demo: $(VENV)/.demo-installed
 $(VENV)/.browser-installed: | $(VENV)/bin/python
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 	  $(SUDO) apt-get update -qq && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    chromium chromium-driver > $(VENV)/apt-browser.log || { tail -20 $(VENV)/apt-browser.log; exit 1; }; }
 	touch $@
 
 test: $(VENV)/.test-installed $(VENV)/.browser-installed

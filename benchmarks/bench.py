@@ -34,13 +34,18 @@ def missing_extra(name: str, args: list[str]) -> str | None:
             f"'.[{extra}]'` in the checkout; or pass {flag} {value} to leave transformers out")
 
 
+def benchmark_names() -> list[str]:
+    """Every NAME `gpt-jax bench` runs: the speed benchmarks, then the other scripts here."""
+    scripts = sorted(p.stem for p in Path(__file__).resolve().parent.glob("*.py"))
+    return list(SPEED_BENCHMARKS) + [s for s in scripts if s not in ("speed", "bench")]
+
+
 def main(argv: list[str]) -> int:
     """Run the benchmark `argv[0]` with the flags after it; its exit status (1 when it needs
     torch, transformers or an extra's package and they are not installed, 2 for an unknown
     name)."""
     folder = Path(__file__).resolve().parent
-    scripts = sorted(p.stem for p in folder.glob("*.py"))
-    names = list(SPEED_BENCHMARKS) + [s for s in scripts if s not in ("speed", "bench")]
+    names = benchmark_names()
     if argv[:1] in (["-h"], ["--help"]):
         print(f"usage: gpt-jax bench NAME [flags]; NAME one of {', '.join(names)}; "
               "gpt-jax bench NAME --help for its flags (benchmarks/README.md)")

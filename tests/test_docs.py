@@ -76,3 +76,18 @@ def test_history_refs_name_a_commit_holding_the_file():
                           capture_output=True).returncode:
             wrong.append((readme, commit, path))
     assert not wrong, f"commit does not hold the file: {wrong}"
+
+
+def test_every_benchmark_name_is_listed_in_both_readmes():
+    """`gpt-jax bench --help`'s names all appear in README's list and benchmarks/README's
+    table (a new user found four missing from the list)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench
+    names = bench.benchmark_names()
+    readme = (ROOT / "README.md").read_text()
+    listed = readme[readme.index("`gpt-jax bench NAME` runs a benchmark"):]
+    listed = listed[:listed.index(")")]
+    table = (ROOT / "benchmarks" / "README.md").read_text()
+    assert [n for n in names if f"`{n}`" not in listed] == []
+    assert [n for n in names if f"| `{n}` |" not in table] == []

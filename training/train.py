@@ -91,7 +91,7 @@ def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
     flops_per_token = report.flops_per_token(config, state.params, batches.block)
     peak = cfg.peak_flops or report.measure_peak_flops(mesh)
     if distributed.is_primary():
-        print(f"model {cfg.model}: {param_count(state.params) / 1e6:.2f}M params, vocab "
+        print(f"model preset {cfg.model}: {param_count(state.params) / 1e6:.2f}M params, vocab "
               f"{config.vocab_size}, block {batches.block}, {len(batches.train):,} train "
               f"tokens, {mesh.devices.size} device(s) in {jax.process_count()} process(es), "
               f"peak {peak / 1e9:.0f} GFLOP/s")
