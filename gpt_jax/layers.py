@@ -82,8 +82,9 @@ def rope(x: jax.Array, positions_T: jax.Array, config: GPTConfig) -> jax.Array:
     absolute `positions_T` `[..., T]`, in transformers' convention (`rotate_half`: the two
     halves of a head, not interleaved pairs, are the rotated coordinates). The angles are
     float32; the result has x's dtype."""
-    angles_TF = positions_T[..., None].astype(jnp.float32) * rope_frequencies(config)
-    angles_TH = jnp.concatenate([angles_TF, angles_TF], axis=-1)[..., None, :]
+    frequencies = rope_frequencies(config)
+    angles_TF = positions_T[..., None].astype(jnp.float32) * _lead(frequencies, positions_T[..., None])
+    angles_TH = _lead(jnp.concatenate([angles_TF, angles_TF], axis=-1)[..., None, :], x)
     x32 = x.astype(jnp.float32)
     first, second = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-second, first], axis=-1)
