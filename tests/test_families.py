@@ -21,13 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_close, assert_lively
+from conftest import assert_close, assert_lively, lively_params
 from gpt_jax import GPTConfig, forward, load_hf, save_hf
 from gpt_jax.layers import Int8Weight
 from gpt_jax.params import quantization_error, quantize
 from inference import Engine, SamplingParams, generate, init_cache, naive_generate, prefill
 from test_hf import assert_same_greedy, padded_batch, safetensors_numpy, torch, torch_logits, \
     transformers
+from test_crop import cropped_greedy
 from test_quantize import assert_within_bound
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -303,3 +304,18 @@ def test_a_llama_style_preset_trains_resumes_and_round_trips_through_transformer
     ours = forward(params, jnp.asarray(ids), config)
     for b, n in enumerate((32, 9, 20)):
         assert_close(ours[b, :n], ref[b, :n], 1e-4 * np.abs(ref).max(), f"trained row {b}")
+
+
+def test_crop_past_the_context_reencodes_the_window_from_position_zero():
+    """context_overflow="crop" with rotary positions: past max_seq_len each token comes from
+    `forward` over the last max_seq_len tokens at positions 0.. (nanoGPT's sampler), as
+    with learned positions."""
+    config = GPTConfig.preset("tiny-llama", max_seq_len=16)
+    params = lively_params(config)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (9, 16, 40)]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24, context_overflow="crop")
+    for prompt, row in zip(prompts, generate(params, config, prompts, greedy)):
+        expected = cropped_greedy(params, config, prompt, 24)
+        assert_lively(expected)
+        assert row.tokens == expected, len(prompt)
