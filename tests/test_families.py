@@ -162,8 +162,9 @@ def test_save_hf_opens_in_transformers_with_the_same_logits(family_dir, tmp_path
 
 
 def test_engine_equals_generate(family_dir):
-    """Continuous batching with prefix caching: requests sharing a prompt prefix, added while
-    others run, give `generate`'s tokens (greedy and seeded sampling)."""
+    """Continuous batching with prefix caching and preemption: requests sharing a prompt
+    prefix, added while others run, in too few pages for two at once, give `generate`'s
+    tokens (greedy and seeded sampling)."""
     family, _, path = family_dir
     config, params = load_hf(path)
     rng = np.random.default_rng(7)
@@ -171,12 +172,15 @@ def test_engine_equals_generate(family_dir):
     requests = [(f"r{i}", shared + rng.integers(0, config.vocab_size, 3 + i).tolist(),
                  SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=20, seed=i,
                                 max_new_tokens=16)) for i in range(4)]
-    engine = Engine(params, config, max_slots=2, num_pages=32, page_size=8, prefix_caching=True)
+    # Each request needs 5-6 pages of 8 by its end (the first 2 shared): 7 hold one and a bit.
+    engine = Engine(params, config, max_slots=2, num_pages=7, page_size=8, prefix_caching=True)
     finals, pending = {}, list(requests)
     while pending or engine.has_unfinished_requests():
         if pending:
             engine.add_request(*pending.pop(0))
         finals |= {out.request_id: out for out in engine.step() if out.finished}
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
     # One batch: a row's tokens do not depend on the others (batched == alone, above).
     expected = generate(params, config, [r[1] for r in requests], [r[2] for r in requests])
     for (request_id, _, _), alone in zip(requests, expected):
