@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-NORMS = ("layernorm", "rmsnorm")  # GPT-2's LayerNorm (Ba et al. 2016); RMSNorm (Zhang & Sennrich 2019)
+NORMS = ("layernorm", "rmsnorm")  # LayerNorm (Ba et al. 2016); RMSNorm (Zhang & Sennrich 2019)
 POSITIONS = ("learned", "rope")  # a learned table (GPT-2); rotary embeddings (Su et al. 2021)
 MLPS = ("gelu", "gated_silu")  # GPT-2's GELU MLP; SwiGLU (Shazeer 2020) as Llama runs it
 

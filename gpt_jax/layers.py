@@ -83,7 +83,8 @@ def rope(x: jax.Array, positions_T: jax.Array, config: GPTConfig) -> jax.Array:
     halves of a head, not interleaved pairs, are the rotated coordinates). The angles are
     float32; the result has x's dtype."""
     frequencies = rope_frequencies(config)
-    angles_TF = positions_T[..., None].astype(jnp.float32) * _lead(frequencies, positions_T[..., None])
+    positions = positions_T[..., None].astype(jnp.float32)
+    angles_TF = positions * _lead(frequencies, positions)
     angles_TH = _lead(jnp.concatenate([angles_TF, angles_TF], axis=-1)[..., None, :], x)
     x32 = x.astype(jnp.float32)
     first, second = jnp.split(x32, 2, axis=-1)

@@ -51,7 +51,8 @@ def test_head_size_and_intermediate_size_override_the_derived_widths():
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"norm": "batchnorm"}, r"GPTConfig\.norm must be one of 'layernorm', 'rmsnorm', got 'batchnorm'"),
+    ({"norm": "batchnorm"},
+     r"GPTConfig\.norm must be one of 'layernorm', 'rmsnorm', got 'batchnorm'"),
     ({"positions": "alibi"}, r"GPTConfig\.positions must be one of 'learned', 'rope'"),
     ({"mlp": "relu"}, r"GPTConfig\.mlp must be one of 'gelu', 'gated_silu'"),
     ({"head_size": 0}, r"GPTConfig\.head_size must be a positive int, got 0"),
