@@ -24,7 +24,6 @@ and the previous good one is used.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -67,15 +66,16 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
 
 
 def save_config(run_dir, config: GPTConfig) -> None:
-    write_json_atomic(Path(run_dir) / "config.json", dataclasses.asdict(config))
+    write_json_atomic(Path(run_dir) / "config.json", config.to_dict())
 
 
 def load_config(run_dir) -> GPTConfig:
-    """Raises FileNotFoundError naming the run directory when it has no config.json."""
+    """The run's GPTConfig (one saved before the architecture fields existed is GPT-2's).
+    Raises FileNotFoundError naming the run directory when it has no config.json."""
     path = Path(run_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{run_dir} is not a run directory: {path} does not exist")
-    return GPTConfig(**json.loads(path.read_text()))
+    return GPTConfig.from_dict(json.loads(path.read_text()))
 
 
 def save_tokenizer(run_dir, tokenizer) -> None:

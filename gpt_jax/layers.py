@@ -1,5 +1,6 @@
-"""The layers of the model, as pure functions: linear maps, LayerNorm, the MLP and embedding
-lookups, and the weight layouts they run on.
+"""The layers of the model, as pure functions: linear maps, LayerNorm and RMSNorm, the MLP
+(GELU or gated SiLU), rotary position embeddings, embedding lookups, and the weight layouts
+they run on.
 
 A weight matrix comes in one of three layouts, and each knows its own products and row
 lookup, so no caller branches on the type:
@@ -10,7 +11,8 @@ Parameters hold plain arrays (training, checkpoints), `OutputMajor` or `Int8Weig
 `as_weight` is the one place a plain array is given its layout. The embedding tables `[V, D]`
 are output-major as plain arrays too: the tied output projection multiplies by their
 transpose. Shape letters as in `gpt_jax.model`; `M` rows, `I` inputs and `O` outputs of a
-matrix product, `F` the MLP's hidden width.
+matrix product, `F` the MLP's hidden width. A bias may be None (the Llama family has none):
+no bias is added.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from flax import struct
 
 from gpt_jax import kernels
+from gpt_jax.config import GPTConfig
 from gpt_jax.kernels import int8_matmul as int8_kernel
 
 
@@ -38,6 +41,55 @@ def layer_norm(p: dict, x_TD: jax.Array, eps: float) -> jax.Array:
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     y = (x32 - mean) * jax.lax.rsqrt(var + eps)
     return (y * _lead(p["scale"], y) + _lead(p["bias"], y)).astype(x_TD.dtype)
+
+
+def rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis (Zhang & Sennrich 2019): normalized in float32, cast back to
+    x's dtype, then scaled, as transformers' `LlamaRMSNorm` orders it. No bias."""
+    x32 = x.astype(jnp.float32)
+    y = (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)).astype(x.dtype)
+    return _lead(p["scale"], y) * y
+
+
+def norm(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+    """The config's norm (`config.norm`) over the last axis of `x`."""
+    fn = rms_norm if config.norm == "rmsnorm" else layer_norm
+    return fn(p, x, config.layer_norm_eps)
+
+
+def rope_frequencies(config: GPTConfig) -> np.ndarray:
+    """The H/2 rotary inverse frequencies `theta^(-2i/H)` (float32, a constant of the
+    program), with Llama 3's scaling (`config.rope_scaling`) as transformers'
+    `_compute_llama3_parameters` applies it."""
+    H = config.head_dim
+    inv_freq = (1.0 / (config.rope_theta ** (np.arange(0, H, 2) / H))).astype(np.float32)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > s.original_max_seq_len / s.low_freq_factor,
+                      inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_seq_len / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ((wavelen >= s.original_max_seq_len / s.high_freq_factor)
+              & (wavelen <= s.original_max_seq_len / s.low_freq_factor))
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope(x: jax.Array, positions_T: jax.Array, config: GPTConfig) -> jax.Array:
+    """Rotary position embeddings (Su et al. 2021) of heads `x` `[..., T, heads, H]` at
+    absolute `positions_T` `[..., T]`, in transformers' convention (`rotate_half`: the two
+    halves of a head, not interleaved pairs, are the rotated coordinates). The angles are
+    float32; the result has x's dtype."""
+    frequencies = rope_frequencies(config)
+    positions = positions_T[..., None].astype(jnp.float32)
+    angles_TF = positions * _lead(frequencies, positions)
+    angles_TH = _lead(jnp.concatenate([angles_TF, angles_TF], axis=-1)[..., None, :], x)
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return (x32 * jnp.cos(angles_TH) + rotated * jnp.sin(angles_TH)).astype(x.dtype)
 
 
 @jax.custom_vjp
@@ -75,9 +127,13 @@ class Weight:
         copies the weights per call: the training path's choice, where the rows dwarf them;
         a decode step does not."""
         if not concatenate:
-            return [w.matmul(x_MI) + b_O[None] for w, b_O in zip(ws, bs_O)]
-        out_MO = cls.concatenate(ws).matmul(x_MI) + jnp.concatenate(bs_O)[None]
-        return jnp.split(out_MO, np.cumsum([b_O.shape[0] for b_O in bs_O[:-1]]), axis=-1)
+            return [add_bias(w.matmul(x_MI), b_O) for w, b_O in zip(ws, bs_O)]
+        out_MO = cls.concatenate(ws).matmul(x_MI)
+        if any(b_O is not None for b_O in bs_O):
+            out_MO = out_MO + jnp.concatenate(
+                [jnp.zeros(w.out_size, out_MO.dtype) if b_O is None else b_O
+                 for w, b_O in zip(ws, bs_O)])[None]
+        return jnp.split(out_MO, np.cumsum([w.out_size for w in ws[:-1]]), axis=-1)
 
 
 @struct.dataclass
@@ -91,6 +147,11 @@ class InputMajor(Weight):
     def matmul(self, x_MI: jax.Array) -> jax.Array:
         """`x @ w`, `[M, O]`."""
         return _matmul(x_MI, self.w_IO)
+
+    @property
+    def out_size(self) -> int:
+        """O, the width of a product."""
+        return self.w_IO.shape[1]
 
     @classmethod
     def concatenate(cls, ws: list[InputMajor]) -> InputMajor:
@@ -123,6 +184,11 @@ class OutputMajor(Weight):
             return jnp.matmul(x_MI, self.w_OI.T, preferred_element_type=preferred_element_type)
         out_OM = jnp.matmul(self.w_OI, x_MI.T, preferred_element_type=preferred_element_type)
         return jax.lax.optimization_barrier(out_OM).T
+
+    @property
+    def out_size(self) -> int:
+        """O, the width of a product."""
+        return self.w_OI.shape[0]
 
     def rows(self, ids: jax.Array) -> jax.Array:
         """Rows `w[ids]`, `[*ids.shape, I]` (an embedding lookup)."""
@@ -194,7 +260,7 @@ class Int8Weight(Weight):
     def linears(cls, x_MI, ws, bs_O, concatenate):
         """`Weight.linears` as one kernel call (`int8_matmuls`), whose threads share the
         panels of all the weights: concatenated without a copy, whatever `concatenate`."""
-        return [out_MO + b_O[None] for out_MO, b_O in zip(int8_matmuls(x_MI, ws), bs_O)]
+        return [add_bias(out_MO, b_O) for out_MO, b_O in zip(int8_matmuls(x_MI, ws), bs_O)]
 
 
 def int8_matmul(x_MI: jax.Array, w: Int8Weight) -> jax.Array:
@@ -242,12 +308,17 @@ def as_weight(w, in_axes: int = 1) -> Weight:
     return OutputMajor(w.reshape(-1, math.prod(w.shape[in_axes:])))
 
 
-def linear(x: jax.Array, w, b_O: jax.Array) -> jax.Array:
+def add_bias(out_MO: jax.Array, b_O: jax.Array | None) -> jax.Array:
+    """`out + b` over the rows, or `out` itself for no bias."""
+    return out_MO if b_O is None else out_MO + b_O[None]
+
+
+def linear(x: jax.Array, w, b_O: jax.Array | None) -> jax.Array:
     """`x @ w + b` over the last axis of `x` (`[..., I]` -> `[..., O]`), as one 2-D matmul
     by the weight's layout (`as_weight`: a plain `w` is `[I, O]`; an `Int8Weight` gives
-    float32)."""
+    float32); no bias for `b_O` None."""
     lead, x_MI = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    out_MO = as_weight(w).matmul(x_MI) + b_O[None]
+    out_MO = add_bias(as_weight(w).matmul(x_MI), b_O)
     return out_MO.reshape(*lead, out_MO.shape[-1])
 
 
@@ -257,7 +328,17 @@ def embed(table_VD, ids: jax.Array) -> jax.Array:
     return as_weight(table_VD, in_axes=-1).rows(ids)
 
 
-def mlp(p: dict, x_TD: jax.Array) -> jax.Array:
-    """GPT-2 MLP: D -> F, GELU (tanh approximation), F -> D."""
-    h_TF = jax.nn.gelu(linear(x_TD, p["w_in"], p["b_in"]), approximate=True)
-    return linear(h_TF, p["w_out"], p["b_out"])
+def mlp(p: dict, x_TD: jax.Array, config: GPTConfig) -> jax.Array:
+    """The config's MLP (`config.mlp`), D -> F -> D. "gelu": GPT-2's, GELU (tanh
+    approximation) of `w_in`. "gated_silu": Llama's SwiGLU (Shazeer 2020),
+    `silu(x @ w_gate) * (x @ w_in)`, the two products of one input run as the weights'
+    layout runs several (`Weight.linears`)."""
+    if config.mlp == "gated_silu":
+        lead, x_MI = x_TD.shape[:-1], x_TD.reshape(-1, x_TD.shape[-1])
+        ws = [as_weight(p["w_gate"]), as_weight(p["w_in"])]
+        gate_MF, up_MF = type(ws[0]).linears(x_MI, ws, [p.get("b_gate"), p.get("b_in")],
+                                             concatenate=False)
+        h_TF = (jax.nn.silu(gate_MF) * up_MF).reshape(*lead, -1)
+    else:
+        h_TF = jax.nn.gelu(linear(x_TD, p["w_in"], p.get("b_in")), approximate=True)
+    return linear(h_TF, p["w_out"], p.get("b_out"))

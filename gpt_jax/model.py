@@ -1,11 +1,15 @@
-"""The GPT-2 model: ONE transformer block body and the forward passes built from it, as pure
+"""The model: ONE transformer block body and the forward passes built from it, as pure
 functions of `(params, inputs, cache)`.
 
-Architecture (Radford et al. 2019, "Language Models are Unsupervised Multitask Learners";
-layout of the released GPT-2 code): learned token and position embeddings, pre-LayerNorm
-blocks of causal multi-head self-attention and a GELU (tanh approximation) MLP, a final
-LayerNorm, and an output projection tied to the token embedding. Key/value heads may be
-fewer than query heads (grouped-query attention, Ainslie et al. 2023).
+Architecture: a pre-norm decoder. GPT-2 (Radford et al. 2019, "Language Models are
+Unsupervised Multitask Learners"; layout of the released GPT-2 code): learned token and
+position embeddings, blocks of causal multi-head self-attention and a GELU (tanh
+approximation) MLP, a final LayerNorm, and an output projection tied to the token
+embedding. The Llama family (Touvron et al. 2023; Qwen2/3, Mistral, SmolLM) differs only in
+values of `GPTConfig` that the same body reads: RMSNorm, rotary positions applied to the
+queries and keys (so the cache stores rotated keys and attention never sees positions),
+gated SiLU MLP, biases present or not, per-head q/k RMSNorm (Qwen3), untied output. Key/value
+heads may be fewer than query heads (grouped-query attention, Ainslie et al. 2023).
 
 Shape alphabet, used in einsum strings and variable suffixes everywhere in this project:
   B batch, T query length, S cache/key length, D d_model, N query heads, K kv heads,
@@ -41,26 +45,40 @@ import jax.numpy as jnp
 from gpt_jax import cache as kv
 from gpt_jax.attention import attend, attend_causal, attend_paged
 from gpt_jax.config import GPTConfig
-from gpt_jax.layers import as_weight, embed, layer_norm, linear, mlp
+from gpt_jax.layers import as_weight, embed, linear, mlp, norm, rms_norm, rope
 from gpt_jax.params import Params, unstack_layers
 
 
-def _project_heads(x_TD: jax.Array, w_DNH, b_NH: jax.Array) -> jax.Array:
-    """`x @ w + b` as one `[..., D] @ [D, N*H]` matmul, reshaped to heads `[..., N, H]`."""
-    N, H = b_NH.shape
-    return linear(x_TD, w_DNH, b_NH.reshape(N * H)).reshape(*x_TD.shape[:-1], N, H)
+def _project_heads(x_TD: jax.Array, w_DNH, b_NH: jax.Array | None, n_heads: int) -> jax.Array:
+    """`x @ w + b` as one `[..., D] @ [D, N*H]` matmul, reshaped to `n_heads` heads."""
+    out = linear(x_TD, w_DNH, None if b_NH is None else b_NH.reshape(-1))
+    return out.reshape(*x_TD.shape[:-1], n_heads, -1)
 
 
-def _project_qkv(p: Params, x_TD: jax.Array, concatenate: bool):
-    """`(q [..., N, H], k [..., K, H], v [..., K, H])` of `x_TD`, as the weights' layout runs
-    three products of one input (`gpt_jax.layers.Weight.linears`; `concatenate` for the
-    training path, where the rows dwarf the weights)."""
+def _position_heads(p: Params, x, positions_T, config: GPTConfig, name: str):
+    """Query or key heads `x` `[..., T, heads, H]` (`name` "q" or "k") made position-aware
+    as the config says: per-head RMSNorm (`qk_norm`, Qwen3), then rotary embeddings at
+    absolute `positions_T` (`positions` "rope"); learned positions leave them as they are."""
+    if config.qk_norm:
+        x = rms_norm(p[f"{name}_norm"], x, config.layer_norm_eps)
+    return rope(x, positions_T, config) if config.positions == "rope" else x
+
+
+def _project_qkv(p: Params, x_TD: jax.Array, positions_T, config: GPTConfig, concatenate: bool):
+    """`(q [..., N, H], k [..., K, H], v [..., K, H])` of `x_TD` at `positions_T`, as the
+    weights' layout runs three products of one input (`gpt_jax.layers.Weight.linears`;
+    `concatenate` for the training path, where the rows dwarf the weights); q and k
+    position-aware (`_position_heads`)."""
     names = ("q", "k", "v")
     ws = [as_weight(p[f"w_{n}"]) for n in names]
-    bs = [p[f"b_{n}"] for n in names]
+    bs = [p.get(f"b_{n}") for n in names]
     x_MI = x_TD.reshape(-1, x_TD.shape[-1])
-    outs = type(ws[0]).linears(x_MI, ws, [b.reshape(-1) for b in bs], concatenate)
-    return tuple(out.reshape(*x_TD.shape[:-1], *b.shape) for out, b in zip(outs, bs))
+    outs = type(ws[0]).linears(x_MI, ws, [None if b is None else b.reshape(-1) for b in bs],
+                               concatenate)
+    heads = (config.n_heads, config.kv_heads, config.kv_heads)
+    q, k, v = (out.reshape(*x_TD.shape[:-1], n, -1) for out, n in zip(outs, heads))
+    return (_position_heads(p, q, positions_T, config, "q"),
+            _position_heads(p, k, positions_T, config, "k"), v)
 
 
 def _merge_heads(p: Params, out_TNH: jax.Array) -> jax.Array:
@@ -68,48 +86,65 @@ def _merge_heads(p: Params, out_TNH: jax.Array) -> jax.Array:
     transposes w_o to match the output)."""
     N, H = out_TNH.shape[-2:]
     return linear(out_TNH.reshape(*out_TNH.shape[:-2], N * H), as_weight(p["w_o"], in_axes=2),
-                  p["b_o"])
+                  p.get("b_o"))
 
 
-def _paged_attention(p: Params, h_TD: jax.Array, k_pool, v_pool, page_table, length, bound):
+def _paged_attention(p: Params, h_TD: jax.Array, config: GPTConfig, k_pool, v_pool, page_table,
+                     length, bound):
     """Causal self-attention of T new tokens at positions length..length+T-1 of one sequence,
     against its cached slots in the layer's pools (read only, see `attend_paged`). Three
     products, no per-call weight concatenation (int8: one kernel call). Returns
-    `(out_TD, (k_TKH, v_TKH))`: the new keys and values in the cache's dtype, to store."""
-    q_TNH, k_TKH, v_TKH = _project_qkv(p, h_TD, concatenate=False)
+    `(out_TD, (k_TKH, v_TKH))`: the new keys (rotated at their absolute positions, with
+    rotary embeddings) and values in the cache's dtype, to store."""
+    positions_T = length + jnp.arange(h_TD.shape[-2])
+    q_TNH, k_TKH, v_TKH = _project_qkv(p, h_TD, positions_T, config, concatenate=False)
     k_TKH, v_TKH = k_TKH.astype(k_pool.dtype), v_TKH.astype(v_pool.dtype)
     out_TNH = attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table, length, bound)
     return _merge_heads(p, out_TNH.astype(h_TD.dtype)), (k_TKH, v_TKH)
 
 
-def _causal_attention(p: Params, h_BTD: jax.Array):
-    """Causal self-attention over whole sequences, no cache: `[B, T, D]` -> `([B, T, D],
-    None)`. Forms the `[T, T]` scores per head (`attend_causal`), which at training lengths
-    is cheaper than the blockwise loop of `attend_paged` and differentiates as one program."""
-    q_BTNH, k_BTKH, v_BTKH = _project_qkv(p, h_BTD, concatenate=True)
+def _causal_attention(p: Params, h_BTD: jax.Array, config: GPTConfig):
+    """Causal self-attention over whole sequences at positions 0..T-1, no cache: `[B, T, D]`
+    -> `([B, T, D], None)`. Forms the `[T, T]` scores per head (`attend_causal`), which at
+    training lengths is cheaper than the blockwise loop of `attend_paged` and
+    differentiates as one program."""
+    positions_T = jnp.arange(h_BTD.shape[1])
+    q_BTNH, k_BTKH, v_BTKH = _project_qkv(p, h_BTD, positions_T, config, concatenate=True)
     return _merge_heads(p, attend_causal(q_BTNH, k_BTKH, v_BTKH)), None
 
 
-def _last_query_attention(p: Params, h_BTD: jax.Array):
+def _last_query_attention(p: Params, h_BTD: jax.Array, config: GPTConfig):
     """`_causal_attention` at the last position only: keys and values of every position, the
     query of the last one (which sees every key). Returns `([B, 1, D], None)`."""
-    q_B1NH = _project_heads(h_BTD[:, -1:], p["w_q"], p["b_q"])
-    k_BTKH = _project_heads(h_BTD, p["w_k"], p["b_k"])
-    v_BTKH = _project_heads(h_BTD, p["w_v"], p["b_v"])
-    every_1T = jnp.ones((1, h_BTD.shape[1]), bool)
+    T = h_BTD.shape[1]
+    q_B1NH = _project_heads(h_BTD[:, -1:], p["w_q"], p.get("b_q"), config.n_heads)
+    q_B1NH = _position_heads(p, q_B1NH, jnp.array([T - 1]), config, "q")
+    k_BTKH = _project_heads(h_BTD, p["w_k"], p.get("b_k"), config.kv_heads)
+    k_BTKH = _position_heads(p, k_BTKH, jnp.arange(T), config, "k")
+    v_BTKH = _project_heads(h_BTD, p["w_v"], p.get("b_v"), config.kv_heads)
+    every_1T = jnp.ones((1, T), bool)
     out_B1NH = jax.vmap(attend, in_axes=(0, 0, 0, None))(q_B1NH, k_BTKH, v_BTKH, every_1T)
     return _merge_heads(p, out_B1NH), None
 
 
 def block(p: Params, x_TD: jax.Array, attention_fn, config: GPTConfig):
-    """One pre-LayerNorm transformer block over `x_TD` `[..., T, D]`, the one body of every
-    forward. `attention_fn(p_attn, h_TD) -> (out, extra)` is its attention; `out` covers the
-    last of x's positions (all of them, but for `forward_last`'s last block, which queries
-    only the last), and the residual stream goes on at those. Returns `(x, extra)`."""
-    eps = config.layer_norm_eps
-    attn_TD, extra = attention_fn(p["attn"], layer_norm(p["ln1"], x_TD, eps))
+    """One pre-norm transformer block over `x_TD` `[..., T, D]`, the one body of every
+    forward and every family (the config chooses the norm, the MLP and what attention does
+    with positions). `attention_fn(p_attn, h_TD, config) -> (out, extra)` is its attention;
+    `out` covers the last of x's positions (all of them, but for `forward_last`'s last
+    block, which queries only the last), and the residual stream goes on at those. Returns
+    `(x, extra)`."""
+    attn_TD, extra = attention_fn(p["attn"], norm(p["ln1"], x_TD, config), config)
     x_TD = x_TD[..., x_TD.shape[-2] - attn_TD.shape[-2]:, :] + attn_TD
-    return x_TD + mlp(p["mlp"], layer_norm(p["ln2"], x_TD, eps)), extra
+    return x_TD + mlp(p["mlp"], norm(p["ln2"], x_TD, config), config), extra
+
+
+def embed_tokens(params: Params, tokens, positions, config: GPTConfig) -> jax.Array:
+    """The residual stream's start: token embeddings, plus the learned position table's rows
+    at `positions` (broadcast against the tokens) when positions are learned; rotary
+    positions enter in attention instead."""
+    x = embed(params["wte"], tokens)
+    return x + embed(params["wpe"], positions) if config.positions == "learned" else x
 
 
 def transformer(params: Params, tokens_T: jax.Array, cache: kv.PagedKVCache, config: GPTConfig,
@@ -135,7 +170,7 @@ def transformer(params: Params, tokens_T: jax.Array, cache: kv.PagedKVCache, con
     """
     start = cache.lengths
     positions_T = start + jnp.arange(tokens_T.shape[0])
-    x_TD = embed(params["wte"], tokens_T) + embed(params["wpe"], positions_T)
+    x_TD = embed_tokens(params, tokens_T, positions_T, config)
     bound = start if bound is None else bound
     new_k, new_v = [], []
     for layer, p in enumerate(unstack_layers(params)["blocks"]):
@@ -148,11 +183,11 @@ def transformer(params: Params, tokens_T: jax.Array, cache: kv.PagedKVCache, con
 
 
 def lm_head(params: Params, x_TD: jax.Array, config: GPTConfig) -> jax.Array:
-    """Final LayerNorm and the tied output projection (`wte` `[V, D]`, or its `Int8Weight`).
-    Returns float32 logits `[..., V]`."""
-    h_TD = layer_norm(params["ln_f"], x_TD, config.layer_norm_eps)
-    wte = as_weight(params["wte"], in_axes=-1)
-    logits_MV = wte.matmul(h_TD.reshape(-1, h_TD.shape[-1]), preferred_element_type=jnp.float32)
+    """Final norm and the output projection: tied (`wte` `[V, D]`) or not (`lm_head`
+    `[V, D]`), either plain or its `Int8Weight`. Returns float32 logits `[..., V]`."""
+    h_TD = norm(params["ln_f"], x_TD, config)
+    out = as_weight(params["wte" if config.tie_embeddings else "lm_head"], in_axes=-1)
+    logits_MV = out.matmul(h_TD.reshape(-1, h_TD.shape[-1]), preferred_element_type=jnp.float32)
     return logits_MV.reshape(*h_TD.shape[:-1], logits_MV.shape[-1])
 
 
@@ -165,7 +200,7 @@ def _blocks_full(params: Params, tokens_BT: jax.Array, config: GPTConfig, n_bloc
         raise ValueError(
             f"sequence length {T} exceeds config.max_seq_len={config.max_seq_len}"
         )
-    x_BTD = embed(params["wte"], tokens_BT) + embed(params["wpe"], jnp.arange(T))[None]
+    x_BTD = embed_tokens(params, tokens_BT, jnp.arange(T)[None], config)
 
     def step(x_BTD, p):
         return block(p, x_BTD, _causal_attention, config)[0], None

@@ -26,26 +26,34 @@ Params = dict  # nested dict of arrays; layer weights are stacked along a leadin
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype"))
 def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> Params:
-    """Random GPT-2 initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm scales,
-    and the two residual projections scaled by 1/sqrt(2 * n_layers) (GPT-2 paper, sec. 2.3).
+    """Random GPT-2 initialisation: N(0, 0.02) weights, zero biases, unit norm scales, and
+    the two residual projections scaled by 1/sqrt(2 * n_layers) (GPT-2 paper, sec. 2.3).
 
     One jitted program, one normal draw cut into the weights: a draw per weight shape
-    compiled a threefry kernel per shape, seconds of a short training run's start.
+    compiled a threefry kernel per shape, seconds of a short training run's start. (The
+    weights only other families have are cut after GPT-2's, so a GPT-2 config draws what
+    it always drew.)
 
     Returns a params pytree of `dtype` arrays with shapes
-      wte [V, D], wpe [max_seq_len, D], ln_f {scale, bias} [D], and under "blocks" (each with a
-      leading [L]): ln1/ln2 {scale, bias} [D]; attn w_q [D, N, H], w_k/w_v [D, K, H],
-      b_q [N, H], b_k/b_v [K, H], w_o [N, H, D], b_o [D]; mlp w_in [D, F], b_in [F],
-      w_out [F, D], b_out [D].
+      wte [V, D], wpe [max_seq_len, D] (learned positions only), lm_head [V, D] (untied
+      only), ln_f {scale, bias} [D], and under "blocks" (each with a leading [L]): ln1/ln2
+      {scale, bias} [D]; attn w_q [D, N, H], w_k/w_v [D, K, H], b_q [N, H], b_k/b_v
+      [K, H], w_o [N, H, D], b_o [D], q_norm/k_norm {scale} [H] (qk_norm only); mlp
+      w_gate [D, F] ("gated_silu" only), w_in [D, F], b_gate/b_in [F], w_out [F, D],
+      b_out [D]. RMSNorm has no bias; a bias the config turns off is absent.
     """
     L, D, N, K, H, F = (
         config.n_layers, config.d_model, config.n_heads, config.kv_heads, config.head_dim,
         config.d_ff,
     )
     std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)
-    shapes = {"wte": (config.vocab_size, D), "wpe": (config.max_seq_len, D),
+    learned, gated = config.positions == "learned", config.mlp == "gated_silu"
+    shapes = {"wte": (config.vocab_size, D), "wpe": (config.max_seq_len, D) if learned else None,
               "w_q": (L, D, N, H), "w_k": (L, D, K, H), "w_v": (L, D, K, H),
-              "w_o": (L, N, H, D), "w_in": (L, D, F), "w_out": (L, F, D)}
+              "w_o": (L, N, H, D), "w_in": (L, D, F), "w_out": (L, F, D),
+              "w_gate": (L, D, F) if gated else None,
+              "lm_head": None if config.tie_embeddings else (config.vocab_size, D)}
+    shapes = {name: shape for name, shape in shapes.items() if shape is not None}
     scales = {"wpe": 0.01, "w_o": resid_std, "w_out": resid_std}  # the rest: std
     sizes = [math.prod(shape) for shape in shapes.values()]
     draw = jax.random.normal(key, (sum(sizes),), jnp.float32)
@@ -53,31 +61,25 @@ def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> Params:
          for (name, shape), part in zip(shapes.items(),
                                         jnp.split(draw, list(itertools.accumulate(sizes[:-1]))))}
 
-    def zeros(*shape):
-        return jnp.zeros(shape, dtype)
+    def norm(*lead, width=D, rms=config.norm == "rmsnorm"):
+        return {"scale": jnp.ones((*lead, width), dtype),
+                **({} if rms else {"bias": jnp.zeros((*lead, width), dtype)})}
 
-    def norm(*lead):
-        return {"scale": jnp.ones((*lead, D), dtype), "bias": zeros(*lead, D)}
+    def biases(on, **shapes):
+        return {f"b_{name}": jnp.zeros(shape, dtype) for name, shape in shapes.items() if on}
 
-    return {
-        "wte": w["wte"],
-        "wpe": w["wpe"],
-        "blocks": {
-            "ln1": norm(L),
-            "attn": {
-                "w_q": w["w_q"], "b_q": zeros(L, N, H),
-                "w_k": w["w_k"], "b_k": zeros(L, K, H),
-                "w_v": w["w_v"], "b_v": zeros(L, K, H),
-                "w_o": w["w_o"], "b_o": zeros(L, D),
-            },
-            "ln2": norm(L),
-            "mlp": {
-                "w_in": w["w_in"], "b_in": zeros(L, F),
-                "w_out": w["w_out"], "b_out": zeros(L, D),
-            },
-        },
-        "ln_f": norm(),
-    }
+    attn = {"w_q": w["w_q"], "w_k": w["w_k"], "w_v": w["w_v"], "w_o": w["w_o"],
+            **biases(config.qkv_bias, q=(L, N, H), k=(L, K, H), v=(L, K, H)),
+            **biases(config.out_bias, o=(L, D))}
+    if config.qk_norm:
+        attn |= {"q_norm": norm(L, width=H, rms=True), "k_norm": norm(L, width=H, rms=True)}
+    mlp = {name: w[name] for name in ("w_gate", "w_in", "w_out") if name in w}
+    mlp |= biases(config.mlp_bias, **({"gate": (L, F)} if gated else {}), out=(L, D),
+                  **{"in": (L, F)})
+    extra = {name: w[name] for name in ("wpe", "lm_head") if name in w}
+    return {"wte": w["wte"], **extra,
+            "blocks": {"ln1": norm(L), "attn": attn, "ln2": norm(L), "mlp": mlp},
+            "ln_f": norm()}
 
 
 def param_count(params: Params) -> int:
@@ -106,7 +108,7 @@ def unstack_layers(params: Params) -> Params:
 def decode_layout(params: Params) -> Params:
     """`params` as the inference programs run them: layers unstacked (`unstack_layers`) and
     every block matrix `OutputMajor`, `[O, I]` (w_q, w_k, w_v `[N*H, D]`, w_o `[D, N*H]`,
-    w_in `[F, D]`, w_out `[D, F]`). Already in this layout, params come back unchanged.
+    w_gate, w_in `[F, D]`, w_out `[D, F]`). Already in this layout, params come back unchanged.
     A copy of every block weight: call it once, outside any decode loop."""
     if isinstance(params["blocks"], tuple) and isinstance(
             params["blocks"][0]["mlp"]["w_in"], Weight):
@@ -118,8 +120,8 @@ def decode_layout(params: Params) -> Params:
         heads = {name: OutputMajor(attn[name].reshape(D, -1).T) for name in ("w_q", "w_k", "w_v")}
         return {**p,
                 "attn": {**attn, **heads, "w_o": OutputMajor(attn["w_o"].reshape(-1, D).T)},
-                "mlp": {**mlp, "w_in": OutputMajor(mlp["w_in"].T),
-                        "w_out": OutputMajor(mlp["w_out"].T)}}
+                "mlp": {**mlp, **{name: OutputMajor(mlp[name].T)
+                                  for name in ("w_gate", "w_in", "w_out") if name in mlp}}}
 
     return {**params, "blocks": tuple(layer(p) for p in unstack_layers(params)["blocks"])}
 
@@ -129,8 +131,9 @@ def quantize(params: Params, method: str | None) -> Params:
 
     "int8": weight-only int8 with one float32 scale per output channel (symmetric absmax;
     `gpt_jax.layers.Int8Weight`, which cites the scheme): the block matrices, the token
-    embedding (which is also the tied output projection, a scale per vocabulary row) and the
-    position embedding; LayerNorm scales and biases and every bias stay float32, and the
+    embedding (which is also the tied output projection, a scale per vocabulary row), the
+    untied output projection `lm_head` and the position embedding where the model has them;
+    norm scales and biases and every bias stay float32, and the
     model computes in float32 (activations, KV cache, logits as before). Quantized params
     come back in `decode_layout`; already quantized ones come back unchanged; None returns
     `params` as they are.
@@ -152,14 +155,15 @@ def _quantize_int8(params: Params) -> Params:
         return Int8Weight.quantize(w.w_OI) if isinstance(w, OutputMajor) else w
 
     blocks = jax.tree.map(int8, params["blocks"], is_leaf=lambda w: isinstance(w, OutputMajor))
-    return {**params, "blocks": blocks, "wte": Int8Weight.quantize(params["wte"]),
-            "wpe": Int8Weight.quantize(params["wpe"])}
+    tables = {name: Int8Weight.quantize(params[name])
+              for name in ("wte", "wpe", "lm_head") if name in params}
+    return {**params, "blocks": blocks, **tables}
 
 
 def quantization_error(params: Params, quantized: Params) -> float:
     """The relative logit error that quantizing `params` into `quantized` is expected to stay
     under: `eps = sqrt(sum over uses of r_m^2)`, with `r_m = |W_m - Q_m|_F / |W_m|_F` the
-    exact relative (Frobenius) rounding error of each quantized matrix, the tied token
+    exact relative (Frobenius) rounding error of each quantized matrix, a tied token
     embedding counted twice (it is the input embedding and the output projection).
 
     Derivation (first order): a product `x @ Q^T` is off by `x @ (Q - W)^T`; the rounding
@@ -179,7 +183,7 @@ def quantization_error(params: Params, quantized: Params) -> float:
 
 @jax.jit
 def _squared_relative_errors(params: Params, quantized: Params) -> jax.Array:
-    """The sum of `quantization_error`'s `r_m^2`, the token embedding's twice."""
+    """The sum of `quantization_error`'s `r_m^2`, a tied token embedding's twice."""
     quantized_leaves = jax.tree.leaves(quantized, is_leaf=lambda w: isinstance(w, Int8Weight))
     original_leaves = jax.tree.leaves(decode_layout(params),
                                       is_leaf=lambda w: isinstance(w, OutputMajor))
@@ -188,7 +192,8 @@ def _squared_relative_errors(params: Params, quantized: Params) -> jax.Array:
         if isinstance(q, Int8Weight):
             w = (w.w_OI if isinstance(w, OutputMajor) else w).astype(jnp.float32)
             r2 = jnp.sum(jnp.square(q.dequantize() - w)) / jnp.sum(jnp.square(w))
-            total += 2 * r2 if q is quantized["wte"] else r2
+            tied = q is quantized["wte"] and "lm_head" not in quantized
+            total += 2 * r2 if tied else r2
     return total
 
 
@@ -245,7 +250,8 @@ def check_params(params: Params, config: GPTConfig) -> None:
     Raises:
       ValueError: naming the first parameter whose path or shape differs, with the shape the
         config expects (for example a d_model, vocab_size or n_heads that does not match the
-        weights), before anything is traced with them.
+        weights), or a parameter the config's model has not (a position table with rotary
+        positions), before anything is traced with them.
     """
     layout = "int8" if is_quantized(params) else \
         "decode" if isinstance(params.get("blocks"), tuple) else "stacked"
@@ -258,6 +264,14 @@ def check_params(params: Params, config: GPTConfig) -> None:
             raise ValueError(
                 f"params{name} has shape {got.get(name, 'missing')}, but the config expects "
                 f"{tuple(leaf.shape)} (d_model={config.d_model}, n_heads={config.n_heads}, "
-                f"kv_heads={config.kv_heads}, n_layers={config.n_layers}, vocab_size="
-                f"{config.vocab_size}, max_seq_len={config.max_seq_len}): do the config and "
-                "the params belong together?")
+                f"kv_heads={config.kv_heads}, head_dim={config.head_dim}, n_layers="
+                f"{config.n_layers}, vocab_size={config.vocab_size}, max_seq_len="
+                f"{config.max_seq_len}, positions={config.positions!r}, mlp={config.mlp!r}, "
+                f"tie_embeddings={config.tie_embeddings}): do the config and the params "
+                "belong together?")
+    extra = sorted(set(got) - {jax.tree_util.keystr(path) for path, _ in expected})
+    if extra:
+        raise ValueError(f"params{extra[0]} is not a parameter of this config's model "
+                         f"(positions={config.positions!r}, mlp={config.mlp!r}, tie_embeddings="
+                         f"{config.tie_embeddings}, its biases and norms): do the config and "
+                         "the params belong together?")

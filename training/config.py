@@ -19,7 +19,8 @@ class TrainConfig:
       ValueError: a value is out of range (naming the field, value and range).
     """
 
-    # GPTConfig preset: tiny, shakespeare-char, nanogpt-cpu or gpt2 (vocab_size: the tokenizer's)
+    # GPTConfig preset: tiny, tiny-llama, shakespeare-char, nanogpt-cpu, gpt2, smollm2-135m,
+    # qwen2.5-0.5b or llama-3.2-1b (vocab_size: the tokenizer's)
     model: str = "shakespeare-char"
     text: str | None = None  # UTF-8 corpus file; None = the built-in Shakespeare plays
     run_dir: str = "runs/shakespeare-char"  # checkpoints, config, tokenizer, metrics, plots

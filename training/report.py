@@ -17,7 +17,8 @@ def flops_per_token(config: GPTConfig, params, block: int) -> float:
     """Training FLOPs per token, forward + backward: 6 per weight (the position table
     excluded; the tied output projection counted) plus 12 * L * D * T for attention
     scores and values (Kaplan et al. 2020; PaLM appendix B; nanoGPT's `estimate_mfu`)."""
-    n = sum(x.size for x in jax.tree.leaves(params)) - params["wpe"].size
+    n = sum(x.size for x in jax.tree.leaves(params))
+    n -= params["wpe"].size if "wpe" in params else 0  # rotary positions have no table
     return 6.0 * n + 12.0 * config.n_layers * config.d_model * block
 
 
