@@ -1,0 +1,234 @@
+"""Chat templates render as `transformers`' `apply_chat_template` does: for three public
+templates (Llama 3's, Qwen2.5's, SmolLM2's, written here from their tokenizer_config.json:
+templates are text) and conversations with a system message, several turns and non-ASCII
+text, our prompt text and token ids equal transformers' on the same byte-level BPE tokenizer
+(trained here, with the templates' special tokens); and `LLM.chat` / `LLM.stream_chat`."""
+
+import json
+
+import pytest
+
+from gpt_jax.tokenizer import BPETokenizer
+from inference.chat import ChatTemplate, check_messages
+from inference.errors import RequestError
+
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | "
+    "trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+# Llama 3.2's (its tool-calling branches left out): today's date through strftime_now.
+LLAMA32 = """{{- bos_token }}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+QWEN25 = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+SMOLLM2 = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# Gemma's way: no system role, turns must alternate; and the {% generation %} tag.
+STRICT = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ '<start_of_turn>model\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endgeneration %}{% else %}{{ '<start_of_turn>user\n' + message['content'] | trim + "
+    "'<end_of_turn>\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<start_of_turn>model\n' }}{% endif %}{{ {'k': 'é<a>'} | tojson }}")
+
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+           "<|eot_id|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<bos>", "<eos>",
+           "<start_of_turn>", "<end_of_turn>"]
+TOKENS = {LLAMA3: ("<|begin_of_text|>", "<|eot_id|>"), LLAMA32: ("<|begin_of_text|>", "<|eot_id|>"),
+          QWEN25: ("<|endoftext|>", "<|im_end|>"), SMOLLM2: ("<|im_start|>", "<|im_end|>"),
+          STRICT: ("<bos>", "<eos>")}  # bos_token, eos_token of each
+
+CORPUS = "\n".join([
+    "The quick brown fox jumps over the lazy dog while the assistant answers questions.",
+    "You are a helpful assistant. Please answer briefly and politely, in full sentences.",
+    "Grüße aus München: Straße, Bäume, Käse und Frühstück für alle Gäste.",
+    "Le café est très bon à Paris; l'élève répète la leçon à la fenêtre.",
+    "東京で日本語を勉強しています。今日は天気がいいですね。",
+    "Привет, как дела? Сегодня хорошая погода для прогулки.",
+    "Emoji too: 🙂 🚀 ✨ and math: ∑ x² ≤ ∞.",
+] * 12)
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "  Réponds en français.  "},
+     {"role": "user", "content": "Bonjour! Comment ça va?"},
+     {"role": "assistant", "content": "Très bien, merci. Et vous?"},
+     {"role": "user", "content": "Grüße aus München 🙂"},
+     {"role": "assistant", "content": "東京からこんにちは。"},
+     {"role": "user", "content": "Привет, и до свидания."}],
+    [{"role": "user", "content": "No system message here.\nTwo lines."}],
+]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return BPETokenizer.from_text(CORPUS, vocab_size=600, special_tokens=tuple(SPECIAL))
+
+
+def hf_tokenizer(bpe, template):
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos = TOKENS[template]
+    return PreTrainedTokenizerFast(tokenizer_object=bpe.tokenizer, bos_token=bos, eos_token=eos,
+                                   chat_template=template)
+
+
+def ours(template):
+    bos, eos = TOKENS[template]
+    return ChatTemplate(template, {"bos_token": bos, "eos_token": eos})
+
+
+def hf_ids(tokenizer, messages) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize("template", [LLAMA3, LLAMA32, QWEN25, SMOLLM2],
+                         ids=["llama3", "llama3.2", "qwen2.5", "smollm2"])
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_prompt_ids_equal_transformers_apply_chat_template(bpe, template, conversation):
+    messages = CONVERSATIONS[conversation]
+    hf = hf_tokenizer(bpe, template)
+    text = ours(template).render(messages)
+    assert text == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert bpe.encode(text) == hf_ids(hf, messages)
+    # the template's tokens are single ids, not bytes
+    for token in ("<|im_start|>", "<|eot_id|>", "<|begin_of_text|>"):
+        if token in text:
+            assert bpe.tokenizer.token_to_id(token) in bpe.encode(text)
+    without = ours(template).render(messages, add_generation_prompt=False)
+    assert without == hf.apply_chat_template(messages, add_generation_prompt=False,
+                                             tokenize=False)
+
+
+def test_raise_exception_generation_tag_and_tojson_as_transformers(bpe):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye ✨"}]
+    text = ours(STRICT).render(messages)
+    assert text == hf_tokenizer(bpe, STRICT).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    assert text.endswith('{"k": "é<a>"}')  # transformers' tojson: no HTML escapes, no \u
+    for bad, said in [([{"role": "system", "content": "x"}] + messages, "System role not "
+                       "supported"), (messages[:1] * 2, "roles must alternate")]:
+        with pytest.raises(RequestError) as caught:
+            ours(STRICT).render(bad)
+        assert caught.value.field == "messages" and said in str(caught.value)
+
+
+def test_messages_are_checked_and_text_parts_joined():
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                          {"type": "text", "text": "b {x}"}]}]
+    assert check_messages(parts) == [{"role": "user", "content": "a\nb {x}"}]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    for bad, said in [([], "non-empty"), ([{"role": "tool", "content": "x"}], "role 'tool'"),
+                      (image, "messages[0].content[0] is a image_url part"),
+                      ([{"role": "user", "content": 3}], "content is a int")]:
+        with pytest.raises(RequestError) as caught:
+            check_messages(bad)
+        assert caught.value.field == "messages" and said in str(caught.value)
+
+
+def test_a_template_from_a_model_directory(tmp_path):
+    config = {"bos_token": {"content": "<s>"}, "eos_token": "<|im_end|>",
+              "chat_template": [{"name": "tool_use", "template": "T"},
+                                {"name": "default", "template": SMOLLM2}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    found = ChatTemplate.from_dir(tmp_path)
+    assert found.source == SMOLLM2 and found.special_tokens == {"bos_token": "<s>",
+                                                                "eos_token": "<|im_end|>"}
+    assert found.end_of_turn_tokens() == ["<|im_end|>"]
+    (tmp_path / "chat_template.jinja").write_text(LLAMA3)
+    assert ChatTemplate.from_dir(tmp_path).source == LLAMA3  # the .jinja file wins
+    assert ChatTemplate.from_dir(tmp_path / "..") is None
