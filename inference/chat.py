@@ -124,11 +124,19 @@ class ChatTemplate:
     ...: the token strings, as `tokenizer_config.json` gives them)."""
 
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        """Raises ValueError for a template that is empty or not valid Jinja (here, not at
+        the first request)."""
+        import jinja2
+
         if not isinstance(source, str) or not source.strip():
             raise ValueError("a chat template must be non-empty Jinja text")
         self.source = source
         self.special_tokens = dict(special_tokens or {})
-        compile_template(source)  # a syntax error shows here, not at the first request
+        try:
+            compile_template(source)
+        except jinja2.exceptions.TemplateSyntaxError as error:
+            raise ValueError(f"the chat template is not valid Jinja: {error} (line "
+                             f"{error.lineno})") from None
 
     def render(self, messages, add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation. Raises RequestError (field "messages") for bad

@@ -6,9 +6,12 @@ text, our prompt text and token ids equal transformers' on the same byte-level B
 
 import json
 
+import numpy as np
+
 import pytest
 
 from gpt_jax.tokenizer import BPETokenizer
+from inference import SamplingParams
 from inference.chat import ChatTemplate, check_messages
 from inference.errors import RequestError
 
@@ -232,3 +235,171 @@ def test_a_template_from_a_model_directory(tmp_path):
     (tmp_path / "chat_template.jinja").write_text(LLAMA3)
     assert ChatTemplate.from_dir(tmp_path).source == LLAMA3  # the .jinja file wins
     assert ChatTemplate.from_dir(tmp_path / "..") is None
+
+
+# ---------------------------------------------------------------------- LLM.chat and the server
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+SLOTS = 4
+TALK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße! 🙂"},
+        {"role": "assistant", "content": "Bonjour."}, {"role": "user", "content": "Encore?"}]
+
+
+@pytest.fixture(scope="module")
+def chat_llm(bpe):
+    from conftest import lively_params
+    from gpt_jax import GPTConfig
+    from inference import LLM
+
+    config = GPTConfig(vocab_size=bpe.vocab_size, max_seq_len=160, n_layers=2, n_heads=2,
+                       d_model=32)
+    return LLM(lively_params(config), config, bpe, chat_template=CHATML)
+
+
+@pytest.fixture(scope="module")
+def chat_url(chat_llm):
+    from inference import Engine
+    from inference.server import ServerConfig
+    from serving import running, wait_ready
+
+    cfg = ServerConfig("chat", chat_template=ChatTemplate(CHATML))
+    engine = lambda: Engine(chat_llm.params, chat_llm.config, chat_llm.tokenizer,  # noqa: E731
+                            max_slots=SLOTS)
+    with running(engine, cfg) as base:
+        wait_ready(base)
+        yield base
+
+
+@pytest.fixture(scope="module")
+def chat_client(chat_url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{chat_url}/v1", api_key="none", max_retries=0)
+
+
+def solo_chat(llm, messages, **fields):
+    return llm.chat([messages], SamplingParams(**fields), max_batch_size=SLOTS, progress=False)
+
+
+def test_llm_chat_stops_at_the_end_of_turn_token_and_leaves_it_out(chat_llm, bpe):
+    end = bpe.tokenizer.token_to_id("<|im_end|>")
+    out, = solo_chat(chat_llm, TALK, max_new_tokens=20, min_tokens=3, logit_bias={end: 100.0})
+    assert out.finish_reason == "eos" and out.tokens[-1] == end and len(out.tokens) == 4
+    assert out.text == bpe.decode(out.tokens[:-1]) and "<|im_end|>" not in out.text
+    prompt = ChatTemplate(CHATML).render(TALK)
+    plain, = chat_llm.generate([prompt], SamplingParams(
+        max_new_tokens=12, seed=3, stop_token_ids=[end]), max_batch_size=SLOTS, progress=False)
+    chatted, = solo_chat(chat_llm, TALK, max_new_tokens=12, seed=3)
+    assert chatted.tokens == plain.tokens  # chat = generate on the rendered prompt
+    streamed = {}
+    sp = SamplingParams(max_new_tokens=12, seed=4, n=2)
+    for delta in chat_llm.stream_chat([TALK], sp, max_batch_size=SLOTS):
+        streamed[delta.index] = streamed.get(delta.index, "") + delta.text
+    assert [streamed[0], streamed[1]] == [c.text for c in chat_llm.chat(
+        [TALK], sp, max_batch_size=SLOTS, progress=False)]
+
+
+def test_llm_without_a_template_says_how_to_supply_one(chat_llm):
+    from inference import LLM
+    from inference.chat import NoChatTemplate
+
+    bare = LLM(chat_llm.params, chat_llm.config, chat_llm.tokenizer)
+    with pytest.raises(NoChatTemplate, match="chat_template"):
+        bare.chat([TALK])
+    with pytest.raises(TypeError, match="wrap a single conversation"):
+        chat_llm.chat(TALK)
+
+
+def test_chat_completions_equal_llm_chat_n2_stop_seed_logprobs(chat_client, chat_llm):
+    fields = dict(max_new_tokens=24, temperature=0.9, seed=7, n=2, logprobs=2)
+    ref = solo_chat(chat_llm, TALK, **fields)
+    texts = [r.text for r in ref]
+    stop = next(t[4:6] for t in texts if len(t) >= 8)  # a stop string one sample meets
+    ref = solo_chat(chat_llm, TALK, **fields, stop=[stop])
+    r = chat_client.chat.completions.create(
+        model="chat", messages=TALK, max_completion_tokens=24, temperature=0.9, seed=7, n=2,
+        logprobs=True, top_logprobs=2, stop=stop)
+    assert r.object == "chat.completion" and [c.index for c in r.choices] == [0, 1]
+    assert any(c.finish_reason == "stop" for c in r.choices)
+    for choice, expected in zip(r.choices, ref):
+        assert choice.message.role == "assistant" and choice.message.content == expected.text
+        assert choice.finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[
+            expected.finish_reason]
+        content = choice.logprobs.content
+        assert [c.token for c in content] == [chat_llm.tokenizer.decode([t])
+                                              for t in expected.tokens]
+        np.testing.assert_allclose([c.logprob for c in content], expected.logprobs, atol=1e-5)
+        assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode())
+                   for c in content)
+    assert r.usage.completion_tokens == sum(len(e.tokens) for e in ref)
+
+
+def test_streamed_chat_chunks_join_to_the_reply(chat_client, chat_llm):
+    ref = solo_chat(chat_llm, TALK, max_new_tokens=20, temperature=0.8, seed=2, n=2)
+    stream = chat_client.chat.completions.create(
+        model="chat", messages=TALK, max_tokens=20, temperature=0.8, seed=2, n=2, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    firsts = {}
+    texts, finish = {0: "", 1: ""}, {}
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c.delta.role)
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert firsts == {0: "assistant", 1: "assistant"}
+    assert [texts[0], texts[1]] == [r.text for r in ref]
+    assert finish == {k: {"eos": "stop", "stop": "stop", "length": "length"}[r.finish_reason]
+                      for k, r in enumerate(ref)}
+    assert chunks[-1].usage.completion_tokens == sum(len(r.tokens) for r in ref)
+
+
+def test_the_end_of_turn_token_ends_a_chat_with_stop_not_in_the_text(chat_client, bpe):
+    end = bpe.tokenizer.token_to_id("<|im_end|>")
+    r = chat_client.chat.completions.create(
+        model="chat", messages=TALK, max_tokens=20, logit_bias={str(end): 100},
+        extra_body={"min_tokens": 2})
+    choice, = r.choices
+    assert choice.finish_reason == "stop" and r.usage.completion_tokens == 3
+    assert "<|im_end|>" not in choice.message.content
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}),
+    ("messages", [{"role": "user", "content": [{"type": "image_url",
+                                                "image_url": {"url": "http://x/a.png"}}]}]),
+    ("messages", [{"role": "tool", "content": "x"}]), ("top_logprobs", 2)])
+def test_an_unsupported_chat_field_is_a_400_naming_it(chat_url, field, value):
+    import httpx2 as httpx
+
+    body = {"model": "chat", "messages": TALK, field: value}
+    r = httpx.post(f"{chat_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert field in error["message"] or "messages[0]" in error["message"]
+
+
+def test_a_template_that_refuses_the_conversation_is_a_400_with_its_message(chat_llm):
+    import httpx2 as httpx
+
+    from inference import Engine
+    from inference.server import ServerConfig
+    from serving import running, wait_ready
+
+    engines = [lambda: Engine(chat_llm.params, chat_llm.config, chat_llm.tokenizer,
+                              max_slots=SLOTS)]
+    for cfg, said in [(ServerConfig("strict", chat_template=ChatTemplate(STRICT)),
+                       "System role not supported"),
+                      (ServerConfig("none"), "--chat-template FILE")]:
+        with running(engines[0], cfg) as base:
+            wait_ready(base)
+            r = httpx.post(f"{base}/v1/chat/completions", json={"messages": TALK})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "messages" and said in error["message"]
