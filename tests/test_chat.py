@@ -403,3 +403,28 @@ def test_a_template_that_refuses_the_conversation_is_a_400_with_its_message(chat
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert error["param"] == "messages" and said in error["message"]
+
+
+def test_a_run_directory_s_template_and_serve_s_chat_template_flag(tmp_path, chat_llm):
+    from conftest import lively_params
+    from gpt_jax import checkpoint
+    from inference import LLM
+    from inference.serve import _chat_template, parse_args
+
+    run = tmp_path / "run"
+    params = lively_params(chat_llm.config)  # the training layout, as a run saves it
+    checkpoint.save_config(run, chat_llm.config)
+    checkpoint.save_tokenizer(run, chat_llm.tokenizer)
+    checkpoint.save(checkpoint.manager(run), 1, params, params, {"step": 1})
+    assert LLM.from_checkpoint(run).chat_template is None
+    (run / "chat_template.jinja").write_text(CHATML)
+    assert LLM.from_checkpoint(run).chat_template.source == CHATML
+    given = tmp_path / "smol.jinja"
+    given.write_text(SMOLLM2)
+    assert LLM.from_checkpoint(run, chat_template=given).chat_template.source == SMOLLM2
+    args = parse_args(["--run-dir", str(run), "--chat-template", str(given)])
+    assert _chat_template(args.chat_template, run).source == SMOLLM2
+    assert _chat_template(None, run).source == CHATML
+    (tmp_path / "bad.jinja").write_text("{% for %}")
+    with pytest.raises(SystemExit, match="not valid Jinja"):
+        _chat_template(str(tmp_path / "bad.jinja"), run)
