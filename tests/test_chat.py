@@ -428,3 +428,56 @@ def test_a_run_directory_s_template_and_serve_s_chat_template_flag(tmp_path, cha
     (tmp_path / "bad.jinja").write_text("{% for %}")
     with pytest.raises(SystemExit, match="not valid Jinja"):
         _chat_template(str(tmp_path / "bad.jinja"), run)
+
+
+def test_32_concurrent_two_turn_chat_streams_equal_their_solo_results_and_hit_the_cache(
+        chat_llm):
+    import asyncio
+
+    import openai
+
+    from inference import Engine
+    from inference.server import ServerConfig
+    from serving import metric, running, wait_ready
+
+    rng = np.random.default_rng(1)
+    words = CORPUS.split()
+    openers = [" ".join(rng.choice(words, 12)) for _ in range(32)]  # distinct first pages
+    asks = [(int(rng.integers(4, 20)), int(rng.integers(0, 2**31))) for _ in range(32)]
+    engine = lambda: Engine(chat_llm.params, chat_llm.config, chat_llm.tokenizer,  # noqa: E731
+                            max_slots=SLOTS, num_pages=400)  # no cached page evicted
+
+    async def turn(client, messages, max_tokens, seed):
+        text, reason = "", None
+        stream = await client.chat.completions.create(
+            model="chat", messages=messages, max_tokens=max_tokens, temperature=0.8,
+            seed=seed, stream=True)
+        async for chunk in stream:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def all_turns(client, conversations):
+        async with client:
+            return await asyncio.wait_for(asyncio.gather(*(
+                turn(client, c, *a) for c, a in zip(conversations, asks))), 300)
+
+    with running(engine, ServerConfig("chat", chat_template=ChatTemplate(CHATML))) as base:
+        wait_ready(base)
+        new_client = lambda: openai.AsyncOpenAI(base_url=f"{base}/v1",  # noqa: E731
+                                                api_key="none", max_retries=0)
+        firsts = [[{"role": "user", "content": o}] for o in openers]
+        replies = asyncio.run(all_turns(new_client(), firsts))
+        first_hits = metric(base, "gpt_jax:prefix_cache_hit_rate")
+        seconds = [c + [{"role": "assistant", "content": text},
+                        {"role": "user", "content": "And then? Ça va?"}]
+                   for c, (text, _) in zip(firsts, replies)]
+        replies2 = asyncio.run(all_turns(new_client(), seconds))
+        assert metric(base, "gpt_jax:prefix_cache_hit_rate") > first_hits + 0.1
+        assert metric(base, "gpt_jax:kv_pages_used") == 0
+    finish = {"eos": "stop", "stop": "stop", "length": "length"}
+    for conversations, results in ((firsts, replies), (seconds, replies2)):
+        for messages, (max_tokens, seed), got in zip(conversations, asks, results):
+            ref, = solo_chat(chat_llm, messages, max_new_tokens=max_tokens, temperature=0.8,
+                             seed=seed)
+            assert got == (ref.text, finish[ref.finish_reason]), messages
