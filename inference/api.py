@@ -42,29 +42,23 @@ def _bounded(default, name: str, **api_bounds):
     return Field(default, **(bounds | api_bounds))
 
 
-class CompletionRequest(BaseModel):
-    """The body of POST /v1/completions (OpenAI's fields, then vLLM's extra ones). A field
-    sent as null takes its default. Unknown fields are refused, so a misspelt one is named
-    instead of silently ignored."""
+class SamplingFields(BaseModel):
+    """The sampling fields both request bodies take (OpenAI's, then vLLM's extra ones). A
+    field sent as null takes its default. Unknown fields are refused, so a misspelt one is
+    named instead of silently ignored."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # "5" or true is not an int
 
     model: Optional[str] = None
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = _bounded(16, "max_new_tokens")
     temperature: Optional[float] = _bounded(1.0, "temperature", le=API_MAX_TEMPERATURE)
     top_p: Optional[float] = _bounded(1.0, "top_p")
     n: Optional[int] = _bounded(1, "n")
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = _bounded(None, "seed")
-    logprobs: Optional[int] = _bounded(None, "logprobs")
     presence_penalty: Optional[float] = _bounded(0.0, "presence_penalty")
     frequency_penalty: Optional[float] = _bounded(0.0, "frequency_penalty")
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    echo: Optional[bool] = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
     user: Optional[str] = None
     top_k: Optional[int] = _bounded(0, "top_k", ge=-1)  # vLLM: -1 or 0 = off
     min_p: Optional[float] = _bounded(0.0, "min_p")
@@ -73,40 +67,33 @@ class CompletionRequest(BaseModel):
     logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias
 
 
+class CompletionRequest(SamplingFields):
+    """The body of POST /v1/completions."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = _bounded(16, "max_new_tokens")
+    logprobs: Optional[int] = _bounded(None, "logprobs")
+    echo: Optional[bool] = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
 CHAT_UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling",
                     "functions": "function calling", "function_call": "function calling",
                     "parallel_tool_calls": "tool calling",
                     "response_format": "structured output"}  # field -> what it asks for
 
 
-class ChatRequest(BaseModel):
-    """The body of POST /v1/chat/completions (OpenAI's fields, vLLM's extra sampling ones).
-    Messages are checked by `inference.chat.check_messages`; the fields we do not implement
-    (`CHAT_UNSUPPORTED`) are accepted here to be refused by name (`chat_sampling`)."""
+class ChatRequest(SamplingFields):
+    """The body of POST /v1/chat/completions. Messages are checked by
+    `inference.chat.check_messages`; the fields we do not implement (`CHAT_UNSUPPORTED`)
+    are accepted here to be refused by name (`chat_sampling`)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: Optional[str] = None
     messages: list[Any]
     max_tokens: Optional[int] = _bounded(None, "max_new_tokens")
     max_completion_tokens: Optional[int] = _bounded(None, "max_new_tokens")
-    temperature: Optional[float] = _bounded(1.0, "temperature", le=API_MAX_TEMPERATURE)
-    top_p: Optional[float] = _bounded(1.0, "top_p")
-    n: Optional[int] = _bounded(1, "n")
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = _bounded(None, "seed")
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = _bounded(None, "logprobs")
-    presence_penalty: Optional[float] = _bounded(0.0, "presence_penalty")
-    frequency_penalty: Optional[float] = _bounded(0.0, "frequency_penalty")
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
-    top_k: Optional[int] = _bounded(0, "top_k", ge=-1)
-    min_p: Optional[float] = _bounded(0.0, "min_p")
-    repetition_penalty: Optional[float] = _bounded(1.0, "repetition_penalty")
-    min_tokens: Optional[int] = _bounded(0, "min_tokens")
-    logit_bias: Optional[dict[str, float]] = None
     tools: Optional[Any] = None
     tool_choice: Optional[Any] = None
     functions: Optional[Any] = None
