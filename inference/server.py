@@ -221,6 +221,9 @@ async def _chat_prompt(server: Server, body: ChatRequest,
         return await asyncio.to_thread(render)  # long conversations: off the loop
     except RequestError as error:
         raise request_error(error) from None
+    except (KeyError, ValueError) as error:  # a character outside a char tokenizer's
+        raise APIError(400, f"the rendered conversation cannot be encoded: {error}",
+                       param="messages") from None
 
 
 async def _body(request: Request, limit: int, model=CompletionRequest):

@@ -481,3 +481,21 @@ def test_32_concurrent_two_turn_chat_streams_equal_their_solo_results_and_hit_th
             ref, = solo_chat(chat_llm, messages, max_new_tokens=max_tokens, temperature=0.8,
                              seed=seed)
             assert got == (ref.text, finish[ref.finish_reason]), messages
+
+
+def test_a_conversation_a_char_tokenizer_cannot_encode_is_a_400(config, params):
+    import httpx2 as httpx
+
+    from inference import Engine
+    from inference.server import ServerConfig
+    from serving import TOKENIZER, running, wait_ready
+
+    cfg = ServerConfig("chars", chat_template=ChatTemplate("{{ messages[-1].content }}"))
+    with running(lambda: Engine(params, config, TOKENIZER, max_slots=2), cfg) as base:
+        wait_ready(base)
+        ok = httpx.post(f"{base}/v1/chat/completions",
+                        json={"messages": [{"role": "user", "content": "AB"}], "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": TALK})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "cannot be encoded" in r.json()["error"]["message"]
