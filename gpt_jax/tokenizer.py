@@ -61,6 +61,10 @@ class BPETokenizer:
     corpus with the Hugging Face `tokenizers` library, saved in its own `tokenizer.json`
     format. Any Unicode text round-trips exactly (the 256 byte symbols are always in the
     vocabulary), including text the tokenizer never saw.
+
+    Special tokens (a chat template's `<|im_start|>`, `<|im_end|>`, ...) are `tokenizers`'
+    added tokens: `encode` maps each occurrence in the text to its one id (never split into
+    bytes), and `decode` leaves them out, as a Hugging Face tokenizer does.
     """
 
     kind = "bpe"
@@ -69,9 +73,11 @@ class BPETokenizer:
         self.tokenizer = tokenizer  # a tokenizers.Tokenizer with byte-level pre/post steps
 
     @classmethod
-    def from_text(cls, text: str, vocab_size: int = 512) -> BPETokenizer:
-        """Train on `text`. Raises ValueError for empty text or vocab_size < 257 (the 256
-        bytes plus at least one merge) or > 2**20."""
+    def from_text(cls, text: str, vocab_size: int = 512,
+                  special_tokens: tuple[str, ...] = ()) -> BPETokenizer:
+        """Train on `text`, with `special_tokens` (ids 0, 1, ... in order). Raises
+        ValueError for empty text or vocab_size < 257 (the 256 bytes plus at least one
+        merge) or > 2**20."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         if not text:
@@ -83,7 +89,7 @@ class BPETokenizer:
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
+            show_progress=False, special_tokens=list(special_tokens),
         )
         tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
         return cls(tok)

@@ -1,5 +1,5 @@
-"""The OpenAI API's side of the server: the request body (`CompletionRequest`, bounded by
-`inference.sampling_params.RANGES`), the field table (`API_FIELDS`, the engine's names ->
+"""The OpenAI API's side of the server: the request bodies (`CompletionRequest`,
+`ChatRequest`, bounded by `inference.sampling_params.RANGES`), the field table (`API_FIELDS`, the engine's names ->
 the API's), errors in OpenAI's shape (`APIError`, from pydantic's errors and from the
 engine's `RequestError`), and the shapes of responses and stream chunks.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -42,29 +42,23 @@ def _bounded(default, name: str, **api_bounds):
     return Field(default, **(bounds | api_bounds))
 
 
-class CompletionRequest(BaseModel):
-    """The body of POST /v1/completions (OpenAI's fields, then vLLM's extra ones). A field
-    sent as null takes its default. Unknown fields are refused, so a misspelt one is named
-    instead of silently ignored."""
+class SamplingFields(BaseModel):
+    """The sampling fields both request bodies take (OpenAI's, then vLLM's extra ones). A
+    field sent as null takes its default. Unknown fields are refused, so a misspelt one is
+    named instead of silently ignored."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # "5" or true is not an int
 
     model: Optional[str] = None
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = _bounded(16, "max_new_tokens")
     temperature: Optional[float] = _bounded(1.0, "temperature", le=API_MAX_TEMPERATURE)
     top_p: Optional[float] = _bounded(1.0, "top_p")
     n: Optional[int] = _bounded(1, "n")
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = _bounded(None, "seed")
-    logprobs: Optional[int] = _bounded(None, "logprobs")
     presence_penalty: Optional[float] = _bounded(0.0, "presence_penalty")
     frequency_penalty: Optional[float] = _bounded(0.0, "frequency_penalty")
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    echo: Optional[bool] = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
     user: Optional[str] = None
     top_k: Optional[int] = _bounded(0, "top_k", ge=-1)  # vLLM: -1 or 0 = off
     min_p: Optional[float] = _bounded(0.0, "min_p")
@@ -72,6 +66,40 @@ class CompletionRequest(BaseModel):
     min_tokens: Optional[int] = _bounded(0, "min_tokens")
     logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias
 
+
+class CompletionRequest(SamplingFields):
+    """The body of POST /v1/completions."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = _bounded(16, "max_new_tokens")
+    logprobs: Optional[int] = _bounded(None, "logprobs")
+    echo: Optional[bool] = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+CHAT_UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling",
+                    "functions": "function calling", "function_call": "function calling",
+                    "parallel_tool_calls": "tool calling",
+                    "response_format": "structured output"}  # field -> what it asks for
+
+
+class ChatRequest(SamplingFields):
+    """The body of POST /v1/chat/completions. Messages are checked by
+    `inference.chat.check_messages`; the fields we do not implement (`CHAT_UNSUPPORTED`)
+    are accepted here to be refused by name (`chat_sampling`)."""
+
+    messages: list[Any]
+    max_tokens: Optional[int] = _bounded(None, "max_new_tokens")
+    max_completion_tokens: Optional[int] = _bounded(None, "max_new_tokens")
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = _bounded(None, "logprobs")
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    parallel_tool_calls: Optional[Any] = None
+    response_format: Optional[Any] = None
 
 
 # ---------------------------------------------------------------------- errors
@@ -130,7 +158,8 @@ def request_error(error: RequestError) -> APIError:
 
 
 def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingParams:
-    """SamplingParams of a request. Raises APIError for a field we do not support."""
+    """SamplingParams of a completion request. Raises APIError for a field we do not
+    support."""
     if body.echo:
         raise APIError(400, "echo=true is not supported; the prompt is not returned",
                        param="echo")
@@ -140,6 +169,32 @@ def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingPa
     if body.best_of not in (None, n):
         raise APIError(400, f"best_of={body.best_of} is not supported; only best_of = n "
                             f"({n})", param="best_of")
+    return _sampling(body, body.max_tokens, body.logprobs,
+                     [] if eos_token_id is None else [eos_token_id])
+
+
+def chat_sampling(body: ChatRequest, stop_token_ids: list[int],
+                  default_max_tokens: int) -> SamplingParams:
+    """SamplingParams of a chat request: `max_completion_tokens` (or the older
+    `max_tokens`; else `default_max_tokens`), `logprobs` with `top_logprobs` alternatives,
+    the template's end-of-turn `stop_token_ids`. Raises APIError naming a field we do not
+    implement."""
+    for field, feature in CHAT_UNSUPPORTED.items():
+        if getattr(body, field) is not None:
+            raise APIError(400, f"{field} is not supported: this server does not implement "
+                                f"{feature}", param=field, code="unsupported_field")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens)
+                       if m is not None), default_max_tokens)
+    return _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                     stop_token_ids)
+
+
+def _sampling(body: CompletionRequest | ChatRequest, max_tokens: int | None,
+              logprobs: int | None, stop_token_ids: list[int]) -> SamplingParams:
+    """The SamplingParams fields both requests share. Raises APIError."""
+    n = 1 if body.n is None else body.n
     pick = lambda value, default: default if value is None else value  # noqa: E731
     bias = {}
     for key, value in (body.logit_bias or {}).items():
@@ -154,9 +209,9 @@ def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingPa
             repetition_penalty=pick(body.repetition_penalty, 1.0),
             presence_penalty=pick(body.presence_penalty, 0.0),
             frequency_penalty=pick(body.frequency_penalty, 0.0), seed=body.seed,
-            max_new_tokens=pick(body.max_tokens, 16), n=n, logprobs=body.logprobs,
+            max_new_tokens=pick(max_tokens, 16), n=n, logprobs=logprobs,
             stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
-            stop_token_ids=[] if eos_token_id is None else [eos_token_id],
+            stop_token_ids=stop_token_ids,
             min_tokens=pick(body.min_tokens, 0), logit_bias=bias)
     except RequestError as error:
         raise request_error(error) from None
@@ -164,9 +219,11 @@ def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingPa
 
 # ---------------------------------------------------------------------- responses
 
-def completion_object(cid: str, created: int, model: str, choices: list[dict]) -> dict:
-    """A text_completion object: the response, or one chunk of a stream."""
-    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+def completion_object(cid: str, created: int, model: str, choices: list[dict],
+                      object_: str = "text_completion") -> dict:
+    """A completion object (`object_`: "text_completion", "chat.completion" or a chunk's):
+    the response, or one chunk of a stream."""
+    return {"id": cid, "object": object_, "created": created, "model": model,
             "choices": choices}
 
 
@@ -185,6 +242,75 @@ def logprobs(tokenizer, out: RequestOutput, start: int, text_offset: int) -> dic
     return {"tokens": tokens, "token_logprobs": out.logprobs[start:],
             "top_logprobs": [top_by_text(decode, top) for top in out.top_logprobs[start:]],
             "text_offset": offsets}
+
+
+class CompletionShape:
+    """The shapes of /v1/completions' answer: its objects, choices and logprobs."""
+
+    object = chunk_object = "text_completion"
+
+    @staticmethod
+    def wants_logprobs(body) -> bool:
+        return body.logprobs is not None
+
+    @staticmethod
+    def choice(index: int, out: RequestOutput, text: str, logprobs: dict | None,
+               chunk: bool) -> dict:
+        return choice(index, out, text, logprobs)
+
+    @staticmethod
+    def logprobs(tokenizer, out: RequestOutput, start: int, text_offset: int) -> dict:
+        return logprobs(tokenizer, out, start, text_offset)
+
+    @staticmethod
+    def offset_after(logprobs: dict) -> int:
+        """How far the next chunk's text_offset moves past this chunk's tokens."""
+        return sum(map(len, logprobs["tokens"]))
+
+    @staticmethod
+    def opening(index: int) -> dict | None:
+        return None  # a completion stream starts with text
+
+
+class ChatShape:
+    """The shapes of /v1/chat/completions' answer: a message (a delta in a stream, the
+    first carrying the role) and logprobs as `{"content": [{token, logprob, bytes,
+    top_logprobs}]}`."""
+
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    @staticmethod
+    def wants_logprobs(body) -> bool:
+        return bool(body.logprobs)
+
+    @staticmethod
+    def choice(index: int, out: RequestOutput, text: str, logprobs: dict | None,
+               chunk: bool) -> dict:
+        message = ({"content": text} if text else {}) if chunk else \
+            {"role": "assistant", "content": text}
+        return {"index": index, "delta" if chunk else "message": message,
+                "logprobs": logprobs,
+                "finish_reason": FINISH_REASONS[out.finish_reason] if out.finished else None}
+
+    @staticmethod
+    def logprobs(tokenizer, out: RequestOutput, start: int, text_offset: int) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            text = tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [
+            entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top.items()]}
+            for t, lp, top in zip(out.token_ids[start:], out.logprobs[start:],
+                                  out.top_logprobs[start:])]}
+
+    @staticmethod
+    def offset_after(logprobs: dict) -> int:
+        return 0  # chat logprobs have no text offsets
+
+    @staticmethod
+    def opening(index: int) -> dict:
+        return {"index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
 
 
 def top_by_text(decode, top: dict[int, float]) -> dict[str, float]:

@@ -14,6 +14,11 @@ reason "stop") and leaves the batch. A delta only carries text that is final: a 
 tokenizer's incomplete UTF-8 character (decoded as U+FFFD) is held back until its last byte
 arrives, and a tail that could still grow into a stop string is held back until it cannot.
 
+`llm.chat([[{"role": "user", "content": "Hi"}]])` renders each conversation with the LLM's
+chat template (`inference.chat`) and generates as `generate` does, stopping at the
+template's end-of-turn token (finish reason "eos", as for any stop token id; the server
+answers "stop"), which is not in the text.
+
 Text does not stop at the model's context: a request whose `context_overflow` is None runs
 as "crop" here (nanoGPT's sampler: past max_seq_len each token is predicted from the last
 max_seq_len tokens; a longer prompt is cropped to them), unlike `generate` and the
@@ -29,6 +34,7 @@ import jax.numpy as jnp
 
 from gpt_jax import checkpoint
 from gpt_jax.params import inference_params
+from inference.chat import HOW_TO_SUPPLY, ChatTemplate, NoChatTemplate, token_ids
 from inference.engine import Engine
 from inference.generation import validate
 from inference.sampling_params import SamplingParams
@@ -56,18 +62,28 @@ class Delta:
 DTYPES = ("float32", "bfloat16")
 
 
-def crop_by_default(sampling):
-    """`sampling` (None, one SamplingParams or a list) with every `context_overflow` of None
-    made "crop", the LLM's default."""
-    def crop(sp):
+def per_request(sampling, change):
+    """`sampling` (None, one SamplingParams or a list) with `change` applied to each
+    request's SamplingParams (None taken as the default one)."""
+    def one(sp):
         sp = SamplingParams() if sp is None else sp
-        if isinstance(sp, SamplingParams) and sp.context_overflow is None:
-            return dataclasses.replace(sp, context_overflow="crop")
-        return sp  # another type: validate names it
+        return change(sp) if isinstance(sp, SamplingParams) else sp  # else: validate names it
 
     if sampling is None or isinstance(sampling, SamplingParams):
-        return crop(sampling)
-    return [crop(sp) for sp in sampling]
+        return one(sampling)
+    return [one(sp) for sp in sampling]
+
+
+def crop_by_default(sampling):
+    """`sampling` with every `context_overflow` of None made "crop", the LLM's default."""
+    return per_request(sampling, lambda sp: sp if sp.context_overflow is not None else
+                       dataclasses.replace(sp, context_overflow="crop"))
+
+
+def with_stop_ids(sampling, stop_ids: list[int]):
+    """`sampling` with `stop_ids` added to every request's stop_token_ids."""
+    return per_request(sampling, lambda sp: dataclasses.replace(sp, stop_token_ids=tuple(
+        sp.stop_token_ids) + tuple(i for i in stop_ids if i not in sp.stop_token_ids)))
 
 
 class LLM:
@@ -83,6 +99,8 @@ class LLM:
     cache's alone.
     `params` are kept in the decode layout (`gpt_jax.params.decode_layout`) or quantized,
     made once here (`gpt_jax.params.inference_params`).
+    `chat_template` (a `ChatTemplate` or Jinja text) is what `chat` renders conversations
+    with.
 
     Raises:
       ValueError: a dtype other than `DTYPES`, a quantize other than None or
@@ -90,7 +108,8 @@ class LLM:
         (`gpt_jax.params.check_params`).
     """
 
-    def __init__(self, params, config, tokenizer, dtype="float32", quantize: str | None = None):
+    def __init__(self, params, config, tokenizer, dtype="float32", quantize: str | None = None,
+                 chat_template: ChatTemplate | str | None = None):
         try:
             name = jnp.dtype(dtype).name  # "bfloat16" and jnp.bfloat16 alike
         except TypeError:
@@ -103,6 +122,8 @@ class LLM:
         self.params = inference_params(params, config, self.cache_dtype, quantize)
         self.quantize = quantize
         self.config, self.tokenizer = config, tokenizer
+        self.chat_template = (ChatTemplate(chat_template) if isinstance(chat_template, str)
+                              else chat_template)
         self._engines: dict[int, Engine] = {}  # by max_slots
 
     def engine(self, max_slots: int) -> Engine:
@@ -115,11 +136,14 @@ class LLM:
 
     @classmethod
     def from_checkpoint(cls, run_dir, step: int | None = None, dtype="float32",
-                        quantize: str | None = None) -> LLM:
+                        quantize: str | None = None, chat_template=None) -> LLM:
         """Load the latest (or given) checkpoint of a training run directory (see `LLM` for
-        `dtype` and `quantize`)."""
+        `dtype` and `quantize`). `chat_template`: a template file; None takes the run
+        directory's (`ChatTemplate.from_dir`), if it has one."""
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
-        return cls(params, config, tokenizer, dtype, quantize)
+        template = (ChatTemplate.from_dir(run_dir) if chat_template is None
+                    else ChatTemplate.from_file(chat_template))
+        return cls(params, config, tokenizer, dtype, quantize, template)
 
     def _encode(self, prompts) -> list[list[int]]:
         """Token ids of each text prompt. Raises TypeError for a bare string (which would
@@ -175,6 +199,35 @@ class LLM:
         token_prompts, per_prompt = validate(self.config, self._encode(prompts),
                                                     crop_by_default(sampling))
         return self._deltas(token_prompts, per_prompt, max_batch_size)
+
+    def chat(self, conversations: list[list[dict]], sampling=None, *,
+             max_batch_size: int = 32, progress: bool = True) -> list[TextCompletion]:
+        """`generate` for each conversation (a list of {"role", "content"} messages),
+        rendered with the chat template and stopping at its end-of-turn tokens. Raises as
+        `generate`; NoChatTemplate without a template; RequestError (field "messages") for
+        messages the template refuses."""
+        prompts, sampling = self._chat_prompts(conversations, sampling)
+        return self.generate(prompts, sampling, max_batch_size=max_batch_size,
+                             progress=progress)
+
+    def stream_chat(self, conversations: list[list[dict]], sampling=None, *,
+                    max_batch_size: int = 32) -> Iterator[Delta]:
+        """`stream` for each conversation, as `chat` renders it."""
+        prompts, sampling = self._chat_prompts(conversations, sampling)
+        return self.stream(prompts, sampling, max_batch_size=max_batch_size)
+
+    def _chat_prompts(self, conversations, sampling) -> tuple[list[str], object]:
+        """The prompt text of each conversation, and `sampling` with the template's
+        end-of-turn ids among each request's stop_token_ids."""
+        if self.chat_template is None:
+            raise NoChatTemplate(f"this LLM has no chat template; {HOW_TO_SUPPLY}")
+        if not isinstance(conversations, (list, tuple)) or (
+                conversations and isinstance(conversations[0], dict)):
+            raise TypeError("conversations must be a list of conversations (each a list of "
+                            "messages); wrap a single conversation in a list")
+        prompts = [self.chat_template.render(c) for c in conversations]
+        stop_ids = token_ids(self.tokenizer, self.chat_template.end_of_turn_tokens())
+        return prompts, with_stop_ids(sampling, stop_ids)
 
     def _deltas(self, token_prompts, per_prompt, max_batch_size: int) -> Iterator[Delta]:
         """The engine's outputs for validated requests, as `stream` yields them."""

@@ -18,6 +18,7 @@ from typing import Callable
 import uvicorn
 
 from inference import server
+from inference.chat import ChatTemplate
 from inference.engine import Engine
 from inference.load import add_model_args, load_model
 from inference.server import ServerConfig, create_app
@@ -60,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "only the server's own page")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template for /v1/chat/completions (default: the model "
+                        "directory's chat_template.jinja or tokenizer_config.json's)")
     p.add_argument("--no-warmup", action="store_true",
                    help="compile each program on first use instead of before serving")
     return p.parse_args(argv)
@@ -86,6 +90,7 @@ def main(argv=None) -> None:
     cfg = ServerConfig(model_name=args.served_model_name or source.resolve().name,
                        api_key=args.api_key, max_queue=args.max_queue,
                        shutdown_timeout=args.shutdown_timeout, allowed_origins=origins)
+    cfg.chat_template = _chat_template(args.chat_template, source)
     sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
     engine, cfg.eos_token_id = _engine(args, source)
 
@@ -113,6 +118,19 @@ def main(argv=None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores after its drain
         signal.signal(sig, signal.SIG_IGN)
     _Uvicorn(config, on_listening=listening.set).run(sockets=[sock])
+
+
+def _chat_template(path: str | None, source: Path) -> ChatTemplate | None:
+    """The --chat-template file (with the model directory's special tokens), else the model
+    directory's template, else None. A template that cannot be read or parsed stops the
+    command."""
+    try:
+        found = ChatTemplate.from_dir(source)
+        if path is None:
+            return found
+        return ChatTemplate.from_file(path, found.special_tokens if found else None)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"gpt-jax serve: the chat template: {error}") from None
 
 
 def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, int | None]:

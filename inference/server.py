@@ -11,7 +11,9 @@ sampling fields `top_k`, `min_p`, `repetition_penalty`, `min_tokens`; an EOS sam
 completion with finish_reason "stop", as OpenAI reports it):
   POST /v1/completions       prompt: text, a list of texts, token ids or lists of token ids;
                              `stream: true` answers with Server-Sent Events ending `[DONE]`
-  POST /v1/chat/completions  a 400 error: these models have no chat template
+  POST /v1/chat/completions  messages rendered with the model's chat template
+                             (`inference.chat`; `--chat-template FILE`), the same sampling
+                             fields, logprobs in the chat shape; a 400 without a template
   GET  /v1/models, /health, /metrics (Prometheus text format), / (the playground page)
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
@@ -53,8 +55,10 @@ from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inference.api import (APIError, CompletionRequest, request_error, to_sampling,
+from inference.api import (APIError, ChatRequest, ChatShape, CompletionRequest,
+                           CompletionShape, chat_sampling, request_error, to_sampling,
                            validation_error)
+from inference.chat import HOW_TO_SUPPLY, ChatTemplate, token_ids
 from inference.engine import Engine
 from inference.engine_loop import EngineLoop, Submission
 from inference.errors import RequestError
@@ -77,6 +81,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for requests in flight
     max_body_bytes: int = 8 << 20  # a larger request body is refused (413) unread
     allowed_origins: tuple[str, ...] = ()  # CORS: pages on these origins ("*": any) may call
+    chat_template: ChatTemplate | None = None  # None: chat completions are refused (400)
 
 
 class Server:
@@ -195,9 +200,35 @@ async def _checked_prompts(body: CompletionRequest, engine: Engine,
         raise request_error(error) from None
 
 
-async def _body(request: Request, limit: int) -> CompletionRequest:
-    """The request body, parsed; APIError 413 as soon as it is known to exceed `limit` bytes,
-    400 for a body that is not a valid completion request."""
+async def _chat_prompt(server: Server, body: ChatRequest,
+                       engine: Engine) -> tuple[list[int], list[int]]:
+    """The conversation's prompt ids, rendered with the chat template, and the ids that end
+    the model's turn (the template's end-of-turn tokens, the EOS). Raises APIError: no
+    template, messages the template refuses."""
+    template = server.cfg.chat_template
+    if template is None:
+        raise APIError(400, f"model {server.cfg.model_name!r} has no chat template, so chat "
+                            f"completions are not available; {HOW_TO_SUPPLY}; or use "
+                            "/v1/completions with a text prompt", param="messages",
+                       code="chat_template_missing")
+
+    def render() -> tuple[list[int], list[int]]:
+        stops = token_ids(engine.tokenizer, template.end_of_turn_tokens())
+        eos = server.cfg.eos_token_id
+        return (engine.tokenizer.encode(template.render(body.messages)),
+                stops + ([eos] if eos is not None and eos not in stops else []))
+    try:
+        return await asyncio.to_thread(render)  # long conversations: off the loop
+    except RequestError as error:
+        raise request_error(error) from None
+    except (KeyError, ValueError) as error:  # a character outside a char tokenizer's
+        raise APIError(400, f"the rendered conversation cannot be encoded: {error}",
+                       param="messages") from None
+
+
+async def _body(request: Request, limit: int, model=CompletionRequest):
+    """The request body, parsed as `model`; APIError 413 as soon as it is known to exceed
+    `limit` bytes, 400 for a body that is not a valid request."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is {declared} bytes; at most {limit}",
@@ -210,7 +241,7 @@ async def _body(request: Request, limit: int) -> CompletionRequest:
                            code="request_too_large")
         chunks.append(chunk)
     try:
-        return CompletionRequest.model_validate_json(b"".join(chunks))
+        return model.model_validate_json(b"".join(chunks))
     except ValidationError as error:
         raise validation_error(error) from None
 
@@ -308,14 +339,25 @@ def _info_routes(app: FastAPI, server: Server) -> None:
 
 
 def _completion_routes(app: FastAPI, server: Server) -> None:
-    """POST /v1/completions, and /v1/chat/completions refused (no chat template)."""
+    """POST /v1/completions and /v1/chat/completions."""
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        arrival = time.monotonic()
         server.check_key(request)
-        raise APIError(400, f"model {server.cfg.model_name!r} has no chat template, so chat "
-                            "completions are not available; use /v1/completions with a text "
-                            "prompt", param="messages", code="chat_template_missing")
+        engine = server.engine()
+        body = await _body(request, server.cfg.max_body_bytes, ChatRequest)
+        server.check_model(body.model)
+        prompt, stop_ids = await _chat_prompt(server, body, engine)
+        sampling = chat_sampling(body, stop_ids,
+                                 max(1, engine.config.max_seq_len - len(prompt)))
+        try:
+            prompt = check_request(engine.config, prompt, sampling, request=0,
+                                   page_size=engine.page_size, num_pages=engine.num_pages)
+        except RequestError as error:
+            raise request_error(error) from None
+        server.admit(1, sampling.n)
+        return await _answer(server, body, [prompt], sampling, arrival, request, ChatShape)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -330,11 +372,12 @@ def _completion_routes(app: FastAPI, server: Server) -> None:
         return await _answer(server, body, prompts, sampling, arrival, request)
 
 
-async def _answer(server: Server, body: CompletionRequest, prompts: list[list[int]],
-                  sampling: SamplingParams, arrival: float, request: Request):
-    """Hand the admitted prompts to the engine thread, then answer: the whole completion at
-    once, or a stream of chunks as they come."""
-    cid = f"cmpl-{uuid.uuid4().hex}"
+async def _answer(server: Server, body: CompletionRequest | ChatRequest,
+                  prompts: list[list[int]], sampling: SamplingParams, arrival: float,
+                  request: Request, shape=CompletionShape):
+    """Hand the admitted prompts to the engine thread, then answer in `shape`: the whole
+    completion at once, or a stream of chunks as they come."""
+    cid = f"{'chatcmpl' if shape is ChatShape else 'cmpl'}-{uuid.uuid4().hex}"
     results: asyncio.Queue = asyncio.Queue()
     event_loop = asyncio.get_running_loop()
     subs = [Submission(f"{cid}-{i}", p, sampling,
@@ -345,7 +388,7 @@ async def _answer(server: Server, body: CompletionRequest, prompts: list[list[in
     samples = len(subs) * sampling.n
     flight = InFlight(body, cid, server.cfg.model_name, server.loop.engine.tokenizer,
                       [s.request_id for s in subs], sum(map(len, prompts)), sampling.n,
-                      results, lambda unfinished: server.release(samples, unfinished))
+                      results, lambda unfinished: server.release(samples, unfinished), shape)
     try:
         first = await results.get()
     except BaseException:

@@ -20,13 +20,16 @@ from inference.detokenize import RequestOutput
 class InFlight:
     """The outputs of one HTTP request's engine requests (`request_ids`, one per prompt, `n`
     samples each), arriving on `results` as `(prompt index, RequestOutput or error)`, turned
-    into an OpenAI response or stream of chunks. `release(unfinished)` is called once, on
-    `close`: it frees the admission count and aborts the `unfinished` request ids."""
+    into an OpenAI response or stream of chunks in `shape` (`api.CompletionShape` or
+    `api.ChatShape`). `release(unfinished)` is called once, on `close`: it frees the
+    admission count and aborts the `unfinished` request ids."""
 
-    def __init__(self, body: api.CompletionRequest, cid: str, model: str, tokenizer,
-                 request_ids: list[str], prompt_tokens: int, n: int, results: asyncio.Queue,
-                 release: Callable[[list[str]], None]):
+    def __init__(self, body: api.CompletionRequest | api.ChatRequest, cid: str, model: str,
+                 tokenizer, request_ids: list[str], prompt_tokens: int, n: int,
+                 results: asyncio.Queue, release: Callable[[list[str]], None],
+                 shape=api.CompletionShape):
         self.body, self.cid, self.model, self.tokenizer = body, cid, model, tokenizer
+        self.shape = shape
         self.request_ids, self.prompt_tokens, self.n = request_ids, prompt_tokens, n
         self.results, self.release = results, release
         self.samples = len(request_ids) * n
@@ -60,9 +63,9 @@ class InFlight:
                 "total_tokens": self.prompt_tokens + completion}
 
     def _logprobs(self, out: RequestOutput, start: int, text_offset: int) -> dict | None:
-        if self.body.logprobs is None:
+        if not self.shape.wants_logprobs(self.body):
             return None
-        return api.logprobs(self.tokenizer, out, start, text_offset)
+        return self.shape.logprobs(self.tokenizer, out, start, text_offset)
 
     async def collect(self, first, request: Request) -> dict | Response:
         """Wait for every choice (aborting if the client goes away) and answer at once."""
@@ -75,14 +78,16 @@ class InFlight:
             item = await _unless_disconnected(self.results.get(), request)
             if item is None:
                 return Response(status_code=499)  # nobody reads it; close() aborts
-        choices = [api.choice(k, outs[k], outs[k].text, self._logprobs(outs[k], 0, 0))
+        choices = [self.shape.choice(k, outs[k], outs[k].text,
+                                     self._logprobs(outs[k], 0, 0), chunk=False)
                    for k in range(self.samples)]
-        return api.completion_object(self.cid, self.created, self.model, choices) | {
-            "usage": self._usage(outs)}
+        return api.completion_object(self.cid, self.created, self.model, choices,
+                                     self.shape.object) | {"usage": self._usage(outs)}
 
     async def events(self, first):
-        """SSE data: a chunk per output with new text (the finish reason on a choice's last),
-        then a usage chunk when asked, then [DONE]."""
+        """SSE data: a chat stream's opening chunk per choice (its role), a chunk per
+        output with new text (the finish reason on a choice's last), then a usage chunk
+        when asked, then [DONE]."""
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         sent_tokens: dict[int, int] = {}
         # a choice's next token's text_offset: the characters of the tokens sent, not of the
@@ -91,6 +96,9 @@ class InFlight:
         outs: dict[int, RequestOutput] = {}
         item = first
         try:
+            openings = [self.shape.opening(k) for k in range(self.samples)]
+            for opening in filter(None, openings):
+                yield {"data": json.dumps(self._chunk([opening], include_usage))}
             while True:
                 try:
                     k, out = self._record(item, outs)
@@ -99,12 +107,13 @@ class InFlight:
                         500, f"the engine failed: {error!r}", type_="server_error").body())}
                     break
                 start = sent_tokens.get(k, 0)
-                if out.new_text or out.finished or (self.body.logprobs is not None
+                wants_logprobs = self.shape.wants_logprobs(self.body)
+                if out.new_text or out.finished or (wants_logprobs
                                                     and len(out.token_ids) > start):
                     logprobs = self._logprobs(out, start, offsets.get(k, 0))
                     if logprobs is not None:
-                        offsets[k] = offsets.get(k, 0) + sum(map(len, logprobs["tokens"]))
-                    chunk = api.choice(k, out, out.new_text or "", logprobs)
+                        offsets[k] = offsets.get(k, 0) + self.shape.offset_after(logprobs)
+                    chunk = self.shape.choice(k, out, out.new_text or "", logprobs, chunk=True)
                     sent_tokens[k] = len(out.token_ids)
                     yield {"data": json.dumps(self._chunk([chunk], include_usage))}
                 if len(self.done) == self.samples:
@@ -117,7 +126,8 @@ class InFlight:
             self.close()
 
     def _chunk(self, choices: list[dict], with_null_usage: bool) -> dict:
-        chunk = api.completion_object(self.cid, self.created, self.model, choices)
+        chunk = api.completion_object(self.cid, self.created, self.model, choices,
+                                      self.shape.chunk_object)
         return chunk | ({"usage": None} if with_null_usage else {})
 
 
