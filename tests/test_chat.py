@@ -243,6 +243,7 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
           "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
           "{{ '<|im_start|>assistant\n' }}{% endif %}")
 SLOTS = 4
+TIMEOUT_S = 120  # a first request compiles its programs on the engine thread: slow on a loaded machine
 TALK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße! 🙂"},
         {"role": "assistant", "content": "Bonjour."}, {"role": "user", "content": "Encore?"}]
 
@@ -378,7 +379,7 @@ def test_an_unsupported_chat_field_is_a_400_naming_it(chat_url, field, value):
     import httpx2 as httpx
 
     body = {"model": "chat", "messages": TALK, field: value}
-    r = httpx.post(f"{chat_url}/v1/chat/completions", json=body)
+    r = httpx.post(f"{chat_url}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["param"] == field and error["type"] == "invalid_request_error"
@@ -399,7 +400,7 @@ def test_a_template_that_refuses_the_conversation_is_a_400_with_its_message(chat
                       (ServerConfig("none"), "--chat-template FILE")]:
         with running(engines[0], cfg) as base:
             wait_ready(base)
-            r = httpx.post(f"{base}/v1/chat/completions", json={"messages": TALK})
+            r = httpx.post(f"{base}/v1/chat/completions", json={"messages": TALK}, timeout=TIMEOUT_S)
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert error["param"] == "messages" and said in error["message"]
@@ -493,9 +494,9 @@ def test_a_conversation_a_char_tokenizer_cannot_encode_is_a_400(config, params):
     cfg = ServerConfig("chars", chat_template=ChatTemplate("{{ messages[-1].content }}"))
     with running(lambda: Engine(params, config, TOKENIZER, max_slots=2), cfg) as base:
         wait_ready(base)
-        ok = httpx.post(f"{base}/v1/chat/completions",
+        ok = httpx.post(f"{base}/v1/chat/completions", timeout=TIMEOUT_S,
                         json={"messages": [{"role": "user", "content": "AB"}], "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
-        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": TALK})
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": TALK}, timeout=TIMEOUT_S)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert "cannot be encoded" in r.json()["error"]["message"]

@@ -316,12 +316,12 @@ def test_an_unknown_quantization_is_named_with_the_allowed_ones(make):
 
 
 def test_quantize_flag_on_the_command_lines(monkeypatch):
-    from inference import server
+    from inference import serve
 
     assert QUANTIZE == ("int8",)
     assert cli.parse_args(["--quantize", "int8"]).quantize == "int8"
     assert cli.parse_args([]).quantize is None
-    assert server.parse_args(["--quantize", "int8"]).quantize == "int8"
+    assert serve.parse_args(["--quantize", "int8"]).quantize == "int8"
     with pytest.raises(SystemExit):
         cli.parse_args(["--quantize", "int4"])
     loaded = {}
