@@ -93,8 +93,9 @@ def load_tokenizer(run_dir) -> CharTokenizer | BPETokenizer:
     return load_tokenizer_file(path)
 
 
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint could not be read back, or its arrays do not match their digest."""
+class CorruptCheckpointError(ValueError):
+    """A checkpoint could not be read back, or its arrays do not match their digest. A
+    ValueError: bad input to every command, which answers it in one line."""
 
 
 def manager(run_dir, keep: int = 3) -> ocp.CheckpointManager:

@@ -79,6 +79,24 @@ def _damaged_copy(run_dir: Path, tmp_path: Path, how: str) -> tuple[Path, list[i
     _damage(copy, steps[-1], how)
     return copy, steps
 
+def test_a_run_with_no_usable_checkpoint_is_one_line_for_each_command(trained, tmp_path):
+    """Found by a new user: a damaged checkpoint printed a traceback from `generate` and
+    `export` (CorruptCheckpointError was not among the errors a command answers in one line)."""
+    from inference import cli, export
+
+    cfg, _, _ = trained
+    run_dir, steps = _damaged_copy(Path(cfg.run_dir), tmp_path, "flip")
+    for step in steps[:-1]:
+        _damage(run_dir, step, "flip")
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["--run-dir", str(run_dir), "--prompt", "a", "--max-new-tokens", "1"])
+    assert str(refused.value).startswith("gpt-jax generate: no usable checkpoint in ")
+    with pytest.raises(SystemExit) as refused:
+        export.main(["--run-dir", str(run_dir), "--out", str(tmp_path / "x.jaxexport"),
+                     "--batch", "1", "--prompt-len", "4", "--max-new-tokens", "4"])
+    assert str(refused.value).startswith("gpt-jax export: no usable checkpoint in ")
+
+
 @pytest.mark.parametrize("how, file_digests, found", [
     # The file digests refuse it before Orbax reads a byte.
     ("truncate", True, "is corrupt: its file params/"),
