@@ -158,3 +158,38 @@ def test_cli_generate_hf_checkpoint_prints_from_pretrained_text(hf_dir, capsys):
         [TEXTS[0]], SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS), progress=False)
     assert printed[0]["text"] == expected.text and printed[0]["tokens"] == expected.tokens
     assert_lively(expected.tokens, 4)
+
+
+def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
+    """`gpt-jax serve --hf-checkpoint DIR` (a subprocess): a greedy completion is the text
+    `LLM.from_pretrained(DIR).generate` gives."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx2 as httpx
+
+    from conftest import free_port
+    from test_server import iter_until
+
+    path, _ = hf_dir
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpt_jax.cli", "serve", "--hf-checkpoint", str(path), "--port",
+         str(port), "--max-slots", "2", "--no-warmup"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        printed = "".join(iter_until(proc.stdout, " ready on "))
+        assert " ready on " in printed, printed
+        body = {"model": path.name, "prompt": TEXTS[1], "max_tokens": NEW_TOKENS,
+                "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        (expected,) = LLM.from_pretrained(path).generate(
+            [TEXTS[1]], SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS),
+            progress=False)
+        assert r.json()["choices"][0]["text"] == expected.text
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
