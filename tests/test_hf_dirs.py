@@ -170,7 +170,6 @@ def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
     import httpx2 as httpx
 
     from conftest import free_port
-    from test_server import iter_until
 
     path, _ = hf_dir
     port = free_port()
@@ -180,7 +179,11 @@ def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
-        printed = "".join(iter_until(proc.stdout, " ready on "))
+        printed = ""
+        for line in proc.stdout:  # until it listens with the model loaded
+            printed += line
+            if " ready on " in line:
+                break
         assert " ready on " in printed, printed
         body = {"model": path.name, "prompt": TEXTS[1], "max_tokens": NEW_TOKENS,
                 "temperature": 0}
