@@ -214,7 +214,9 @@ class LLM:
         (not at the first delta)."""
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        sampling = with_stop_ids(crop_by_default(sampling), list(self.eos_token_ids))
+        sampling = crop_by_default(sampling)
+        if self.eos_token_ids:  # else the requests go to validate untouched
+            sampling = with_stop_ids(sampling, list(self.eos_token_ids))
         token_prompts, per_prompt = validate(self.config, self._encode(prompts), sampling)
         return self._deltas(token_prompts, per_prompt, max_batch_size)
 
