@@ -171,15 +171,28 @@ def _save(config: GPTConfig, params: Params, path, dtype, model_type: str) -> No
         write_atomic(path / name, write)
 
 
-def load_hf_eos_token_id(path: str | os.PathLike) -> int | None:
-    """The `eos_token_id` of the directory's config.json (50256 for OpenAI's GPT-2), or None
-    when it has none (or a list, which GPT-2 configs never hold)."""
-    eos = json.loads((Path(path) / "config.json").read_text()).get("eos_token_id")
-    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+def _eos_ids(value) -> tuple[int, ...]:
+    """An `eos_token_id` entry (an int, a list of ints, or absent) as a tuple of ids."""
+    values = value if isinstance(value, list) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
+def load_hf_eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
+    """Every EOS id of the directory: `eos_token_id` (an int or a list, as Llama 3 and Qwen
+    configs hold) of config.json and of generation_config.json, in that order without
+    repeats; () when neither names one. Each one ends generation."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        if (Path(path) / name).exists():
+            found = _eos_ids(json.loads((Path(path) / name).read_text()).get("eos_token_id"))
+            ids += [i for i in found if i not in ids]
+    return tuple(ids)
 
 
 def load_hf_tokenizer(path: str | os.PathLike) -> BPETokenizer | None:
-    """The directory's GPT-2 tokenizer, from `tokenizer.json`, else byte-level BPE from
+    """The directory's tokenizer, from `tokenizer.json` (its added and special tokens, and
+    its post-processor's BOS: what decides it for `transformers.AutoTokenizer` too, whatever
+    tokenizer_config.json's `add_bos_token` says), else byte-level BPE from
     `vocab.json` + `merges.txt` (`tokenizers` library); None when it has neither."""
     import tokenizers
 

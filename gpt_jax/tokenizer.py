@@ -99,10 +99,10 @@ class BPETokenizer:
         return self.tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text).ids  # with the post-processor's BOS, if any
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids])
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, path: str | os.PathLike) -> None:
         self.tokenizer.save(str(path))

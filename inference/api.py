@@ -157,7 +157,7 @@ def request_error(error: RequestError) -> APIError:
                     code=error.code)
 
 
-def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingParams:
+def to_sampling(body: CompletionRequest, eos_token_ids: tuple[int, ...]) -> SamplingParams:
     """SamplingParams of a completion request. Raises APIError for a field we do not
     support."""
     if body.echo:
@@ -170,7 +170,7 @@ def to_sampling(body: CompletionRequest, eos_token_id: int | None) -> SamplingPa
         raise APIError(400, f"best_of={body.best_of} is not supported; only best_of = n "
                             f"({n})", param="best_of")
     return _sampling(body, body.max_tokens, body.logprobs,
-                     [] if eos_token_id is None else [eos_token_id])
+                     list(eos_token_ids))
 
 
 def chat_sampling(body: ChatRequest, stop_token_ids: list[int],

@@ -31,8 +31,8 @@ import numpy as np
 from gpt_jax.cache import cache_bytes, pages_for
 from inference.errors import RequestError
 from inference.generation import generate, pack, validate
-from inference.llm import LLM
-from inference.load import add_model_args, load_model
+from inference.llm import LLM, with_stop_ids
+from inference.load import add_model_args
 from inference.sampling_params import CONTEXT_OVERFLOW, SamplingParams
 from inference.steps import init_cache_rows, prefill
 
@@ -213,7 +213,8 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
 
 
 def load_llm(args) -> LLM:
-    """The model of `load_model` as an LLM.
+    """The --run-dir run (`LLM.from_checkpoint`) or the --hf-checkpoint directory
+    (`LLM.from_pretrained`: its tokenizer and EOS ids) as an LLM.
 
     Raises:
       SystemExit: both --prompt and --prompt-ids; text prompts for a Hugging Face directory
@@ -223,11 +224,11 @@ def load_llm(args) -> LLM:
         raise SystemExit("gpt-jax generate: give --prompt or --prompt-ids, not both")
     if not args.hf_checkpoint:
         return LLM.from_checkpoint(args.run_dir, dtype=args.dtype, quantize=args.quantize)
-    params, config, tokenizer, _ = load_model(args)
-    if tokenizer is None and not args.prompt_ids:
+    llm = LLM.from_pretrained(args.hf_checkpoint, dtype=args.dtype, quantize=args.quantize)
+    if llm.tokenizer is None and not args.prompt_ids:
         raise SystemExit(f"gpt-jax generate: {args.hf_checkpoint} has no tokenizer "
                          f"(tokenizer.json, or vocab.json + merges.txt); pass --prompt-ids")
-    return LLM(params, config, tokenizer, args.dtype, args.quantize)
+    return llm
 
 
 def print_token_ids(llm: LLM, prompts: list[tuple[int, ...]], sampling: SamplingParams) -> None:
@@ -237,7 +238,8 @@ def print_token_ids(llm: LLM, prompts: list[tuple[int, ...]], sampling: Sampling
       SystemExit: an invalid request (a token id outside the vocabulary, too long a prompt).
     """
     try:
-        outputs = generate(llm.params, llm.config, [list(p) for p in prompts], sampling)
+        outputs = generate(llm.params, llm.config, [list(p) for p in prompts],
+                           with_stop_ids(sampling, list(llm.eos_token_ids)))
     except ValueError as error:
         raise refusal(error) from None
     for out in outputs:

@@ -113,9 +113,18 @@ def check_shape(config: GPTConfig, batch, prompt_len, max_new_tokens, platforms=
     if bad or not platforms or len(set(platforms)) != len(platforms):
         raise ValueError(f"platforms={','.join(platforms)!r} is not allowed; allowed: "
                          f"one or more of {', '.join(PLATFORMS)}, each once")
-    if eos_token_id is not None and not 0 <= eos_token_id < config.vocab_size:
+    if any(not 0 <= i < config.vocab_size for i in eos_ids(eos_token_id)):
         raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary; allowed: "
-                         f"None or [0, {config.vocab_size})")
+                         f"None or ids in [0, {config.vocab_size})")
+
+
+def eos_ids(eos_token_id) -> tuple[int, ...]:
+    """An export's EOS setting (None, one id, or a list of ids: a Hugging Face directory
+    may name several) as the tuple of ids that each stop a row."""
+    if eos_token_id is None:
+        return ()
+    return tuple(int(i) for i in (eos_token_id if isinstance(eos_token_id, (list, tuple))
+                                  else [eos_token_id]))
 
 
 def generation_fn(params, config: GPTConfig, *, batch: int, max_new_tokens: int,
@@ -126,7 +135,7 @@ def generation_fn(params, config: GPTConfig, *, batch: int, max_new_tokens: int,
     `inference.generation.generation` with the rows' sampling arrays built from its inputs:
     every other sampling option off, EOS the only stop, `max_new_tokens` for every row."""
     params = jax.jit(decode_layout)(jax.tree.map(lambda a: a.astype(cache_dtype), params))
-    eos = () if eos_token_id is None else (int(eos_token_id),)
+    eos = eos_ids(eos_token_id)
     # Constant arrays, made here: made inside the trace they would be traced values.
     defaults = SamplingArrays.of_defaults(batch, config.vocab_size)
     stops = stopping.StopArrays.from_lists([max_new_tokens] * batch, [eos] * batch,
@@ -308,7 +317,8 @@ def main(argv=None):
         check_out(Path(args.out))
         config = load_config(args)  # the config alone: shapes are checked before the weights
         check_shape(config, args.batch, args.prompt_len, args.max_new_tokens, platforms)
-        params, config, tokenizer, eos_token_id = load_model(args)
+        params, config, tokenizer, eos = load_model(args)
+        eos_token_id = eos[0] if len(eos) == 1 else list(eos) or None  # as config.json says
         exported = export_generate(
             params, config, batch=args.batch, prompt_len=args.prompt_len,
             max_new_tokens=args.max_new_tokens, eos_token_id=eos_token_id,

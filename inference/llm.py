@@ -100,7 +100,8 @@ class LLM:
     `params` are kept in the decode layout (`gpt_jax.params.decode_layout`) or quantized,
     made once here (`gpt_jax.params.inference_params`).
     `chat_template` (a `ChatTemplate` or Jinja text) is what `chat` renders conversations
-    with.
+    with. `eos_token_ids` (a Hugging Face directory's, `from_pretrained`) end every
+    generation that samples one (finish reason "eos"), beside each request's own.
 
     Raises:
       ValueError: a dtype other than `DTYPES`, a quantize other than None or
@@ -109,7 +110,8 @@ class LLM:
     """
 
     def __init__(self, params, config, tokenizer, dtype="float32", quantize: str | None = None,
-                 chat_template: ChatTemplate | str | None = None):
+                 chat_template: ChatTemplate | str | None = None,
+                 eos_token_ids: tuple[int, ...] = ()):
         try:
             name = jnp.dtype(dtype).name  # "bfloat16" and jnp.bfloat16 alike
         except TypeError:
@@ -124,6 +126,7 @@ class LLM:
         self.config, self.tokenizer = config, tokenizer
         self.chat_template = (ChatTemplate(chat_template) if isinstance(chat_template, str)
                               else chat_template)
+        self.eos_token_ids = tuple(eos_token_ids)
         self._engines: dict[int, Engine] = {}  # by max_slots
 
     def engine(self, max_slots: int) -> Engine:
@@ -144,6 +147,21 @@ class LLM:
         template = (ChatTemplate.from_dir(run_dir) if chat_template is None
                     else ChatTemplate.from_file(chat_template))
         return cls(params, config, tokenizer, dtype, quantize, template)
+
+    @classmethod
+    def from_pretrained(cls, hf_dir, dtype="float32", quantize: str | None = None,
+                        chat_template=None) -> LLM:
+        """Load a Hugging Face directory of any family `gpt_jax.load_hf` reads, with its
+        tokenizer (`gpt_jax.hf.load_hf_tokenizer`; None when it has none: token-id prompts
+        only), every EOS id of config.json and generation_config.json, and its chat template
+        (`ChatTemplate.from_dir`) unless `chat_template` names a template file."""
+        from gpt_jax.hf import load_hf, load_hf_eos_token_ids, load_hf_tokenizer
+
+        config, params = load_hf(hf_dir)
+        template = (ChatTemplate.from_dir(hf_dir) if chat_template is None
+                    else ChatTemplate.from_file(chat_template))
+        return cls(params, config, load_hf_tokenizer(hf_dir), dtype, quantize, template,
+                   load_hf_eos_token_ids(hf_dir))
 
     def _encode(self, prompts) -> list[list[int]]:
         """Token ids of each text prompt. Raises TypeError for a bare string (which would
@@ -196,8 +214,10 @@ class LLM:
         (not at the first delta)."""
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        token_prompts, per_prompt = validate(self.config, self._encode(prompts),
-                                                    crop_by_default(sampling))
+        sampling = crop_by_default(sampling)
+        if self.eos_token_ids:  # else the requests go to validate untouched
+            sampling = with_stop_ids(sampling, list(self.eos_token_ids))
+        token_prompts, per_prompt = validate(self.config, self._encode(prompts), sampling)
         return self._deltas(token_prompts, per_prompt, max_batch_size)
 
     def chat(self, conversations: list[list[dict]], sampling=None, *,

@@ -23,27 +23,29 @@ def add_model_args(p: argparse.ArgumentParser, quantize: bool = True) -> None:
                             "quantized at load (a quarter of float32's weight bytes per step; "
                             "activations float32; --dtype is then the KV cache's)")
     p.add_argument("--hf-checkpoint", metavar="DIR",
-                   help="a Hugging Face GPT-2 directory (config.json + model.safetensors) "
+                   help="a Hugging Face directory (config.json + model.safetensors) of GPT-2, "
+                        "Llama, Qwen2, Qwen3 or Mistral "
                         "instead of --run-dir; text goes through its tokenizer "
                         "(tokenizer.json, or vocab.json + merges.txt)")
 
 
 def load_model(args):
-    """`(params, config, tokenizer, eos_token_id)` of the --hf-checkpoint directory (its
-    tokenizer and EOS id may be None), else of the --run-dir run (EOS None).
+    """`(params, config, tokenizer, eos_token_ids)` of the --hf-checkpoint directory (its
+    tokenizer may be None; every EOS id of config.json and generation_config.json), else of
+    the --run-dir run (no EOS ids).
 
     Raises:
       FileNotFoundError, ValueError: as `gpt_jax.checkpoint.load_params` and
-        `gpt_jax.hf.load_hf_gpt2` do.
+        `gpt_jax.hf.load_hf` do.
     """
     if not args.hf_checkpoint:
         config, params, tokenizer = checkpoint.load_params(args.run_dir)
-        return params, config, tokenizer, None
-    from gpt_jax.hf import load_hf_eos_token_id, load_hf_gpt2, load_hf_tokenizer
+        return params, config, tokenizer, ()
+    from gpt_jax.hf import load_hf, load_hf_eos_token_ids, load_hf_tokenizer
 
-    config, params = load_hf_gpt2(args.hf_checkpoint)
+    config, params = load_hf(args.hf_checkpoint)
     return (params, config, load_hf_tokenizer(args.hf_checkpoint),
-            load_hf_eos_token_id(args.hf_checkpoint))
+            load_hf_eos_token_ids(args.hf_checkpoint))
 
 
 def load_config(args) -> GPTConfig:

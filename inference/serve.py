@@ -92,7 +92,7 @@ def main(argv=None) -> None:
                        shutdown_timeout=args.shutdown_timeout, allowed_origins=origins)
     cfg.chat_template = _chat_template(args.chat_template, source)
     sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
-    engine, cfg.eos_token_id = _engine(args, source)
+    engine, cfg.eos_token_ids = _engine(args, source)
 
     def load() -> Engine:
         """Compile the engine's programs (the slow part) while /health answers 503."""
@@ -133,8 +133,8 @@ def _chat_template(path: str | None, source: Path) -> ChatTemplate | None:
         raise SystemExit(f"gpt-jax serve: the chat template: {error}") from None
 
 
-def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, int | None]:
-    """The engine of the model `args` name, and its EOS id. A model that cannot load stops
+def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, tuple[int, ...]]:
+    """The engine of the model `args` name, and its EOS ids. A model that cannot load stops
     the command here, before the server listens."""
     try:
         params, config, tokenizer, eos = load_model(args)

@@ -77,7 +77,7 @@ class ServerConfig:
     model_name: str  # the id clients pass as `model`
     api_key: str | None = None  # None: no key needed
     max_queue: int = 256  # most samples waiting beyond the engine's slots before 429
-    eos_token_id: int | None = None  # ends a completion (finish_reason "stop") when sampled
+    eos_token_ids: tuple[int, ...] = ()  # each ends a completion (finish_reason "stop")
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for requests in flight
     max_body_bytes: int = 8 << 20  # a larger request body is refused (413) unread
     allowed_origins: tuple[str, ...] = ()  # CORS: pages on these origins ("*": any) may call
@@ -214,9 +214,8 @@ async def _chat_prompt(server: Server, body: ChatRequest,
 
     def render() -> tuple[list[int], list[int]]:
         stops = token_ids(engine.tokenizer, template.end_of_turn_tokens())
-        eos = server.cfg.eos_token_id
-        return (engine.tokenizer.encode(template.render(body.messages)),
-                stops + ([eos] if eos is not None and eos not in stops else []))
+        eos = [i for i in server.cfg.eos_token_ids if i not in stops]
+        return engine.tokenizer.encode(template.render(body.messages)), stops + eos
     try:
         return await asyncio.to_thread(render)  # long conversations: off the loop
     except RequestError as error:
@@ -366,7 +365,7 @@ def _completion_routes(app: FastAPI, server: Server) -> None:
         engine = server.engine()
         body = await _body(request, server.cfg.max_body_bytes)
         server.check_model(body.model)
-        sampling = to_sampling(body, server.cfg.eos_token_id)
+        sampling = to_sampling(body, server.cfg.eos_token_ids)
         prompts = await _checked_prompts(body, engine, sampling)
         server.admit(len(prompts), sampling.n)
         return await _answer(server, body, prompts, sampling, arrival, request)

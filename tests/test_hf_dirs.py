@@ -1,0 +1,198 @@
+"""A Hugging Face directory used end to end, against `transformers` as the reference: a small
+random Llama saved with `save_pretrained` beside a byte-level BPE tokenizer saved by
+`PreTrainedTokenizerFast.save_pretrained` (BOS and EOS special tokens). Our tokenizer gives
+AutoTokenizer's ids (BOS included) and decodes as it does without special tokens;
+`LLM.from_pretrained` greedy text is transformers' generate decoded; every EOS id of
+config.json and generation_config.json stops; `gpt-jax generate --hf-checkpoint` prints it.
+"""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import assert_lively
+from gpt_jax.hf import load_hf_eos_token_ids, load_hf_tokenizer
+from inference import LLM, SamplingParams
+from test_hf import assert_same_greedy, torch, transformers
+
+TEXT = ("the quick brown fox jumps over the lazy dog; to be, or not to be, that is the "
+        "question. hello world! a model that reads a directory end to end.\n") * 8
+TEXTS = ["the quick brown fox", "to be, or not</s> to be", "héllo wörld ✓", "<s>question"]
+BOS, EOS = "<s>", "</s>"
+NEW_TOKENS = 16
+
+
+def _tokenizer_object():
+    """A byte-level BPE trained on TEXT, with BOS and EOS as ids 0 and 1."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[BOS, EOS])
+    tok.train_from_iterator(TEXT.splitlines(keepends=True), trainer=trainer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """(path, model): a Llama (GQA 2:1, untied, random N(0, 0.2) matrices: lively) with
+    bos 0 and eos 1, and its tokenizer, saved as transformers saves them."""
+    tok = _tokenizer_object()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS,
+                                                eos_token=EOS, add_bos_token=True)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=96, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+        tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0,
+                      0.2 if p.ndim >= 2 else 0.1, generator=gen)
+    path = tmp_path_factory.mktemp("llama-dir")
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return path, model
+
+
+def _auto_ids(path, text):
+    return transformers.AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+
+
+def test_token_ids_equal_autotokenizers_bos_included(hf_dir):
+    path, _ = hf_dir
+    ours = load_hf_tokenizer(path)
+    auto = transformers.AutoTokenizer.from_pretrained(path)
+    for text in TEXTS:
+        ids = auto(text)["input_ids"]
+        assert ids[0] == 0 and 1 in ours.encode("a</s>b")  # BOS added, EOS one id
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == auto.decode(ids, skip_special_tokens=True), text
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+@pytest.mark.parametrize("post_processor", [True, False])
+def test_bos_is_added_as_autotokenizer_adds_it(hf_dir, tmp_path, add_bos, post_processor):
+    """tokenizer_config.json's `add_bos_token` either way, with and without tokenizer.json's
+    BOS post-processor: the ids are AutoTokenizer's (the post-processor decides)."""
+    path, _ = hf_dir
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / name, tmp_path / name)
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    if not post_processor:
+        data["post_processor"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "add_bos_token": add_bos}))
+    ours = load_hf_tokenizer(tmp_path)
+    for text in TEXTS:
+        assert ours.encode(text) == _auto_ids(tmp_path, text), text
+
+
+def _hf_generate(model, ids, **kw):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                             dtype=torch.long), do_sample=False, max_new_tokens=NEW_TOKENS,
+                             pad_token_id=1, output_logits=True, return_dict_in_generate=True,
+                             **kw)
+    return out.sequences[0, len(ids):].tolist(), torch.stack(out.logits)[:, 0].numpy()
+
+
+def test_from_pretrained_greedy_text_equals_transformers(hf_dir):
+    path, model = hf_dir
+    llm = LLM.from_pretrained(path)
+    auto = transformers.AutoTokenizer.from_pretrained(path)
+    assert llm.eos_token_ids == (1,)
+    matched = 0
+    for prompt in TEXTS[:3]:
+        ref, logits = _hf_generate(model, auto(prompt)["input_ids"])
+        (out,) = llm.generate([prompt], SamplingParams(temperature=0.0,
+                                                       max_new_tokens=NEW_TOKENS),
+                              progress=False)
+        assert_same_greedy(out.tokens, ref, logits, prompt)
+        if out.tokens == ref:  # else a near-tie, allowed above
+            matched += 1
+            assert out.text == auto.decode(ref, skip_special_tokens=True)
+            assert out.finish_reason == ("eos" if ref[-1] == 1 else "length")
+    assert matched >= 2
+
+
+def test_each_eos_id_of_generation_config_stops(hf_dir, tmp_path):
+    """generation_config.json's `eos_token_id` list: each id ends generation (finish
+    reason "eos", the id kept), as config.json's does."""
+    path, model = hf_dir
+    for name in ("config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
+        (tmp_path / name).symlink_to(path / name)
+    prompt = TEXTS[0]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+    (free,) = LLM.from_pretrained(path).generate([prompt], greedy, progress=False)
+    tokens = free.tokens[:-1] if free.finish_reason == "eos" else free.tokens
+    assert_lively(tokens, 4)
+    firsts = sorted({tokens.index(t) for t in tokens if t != 1})[1:4]  # first occurrences
+    assert len(firsts) == 3
+    for at in firsts:
+        stop = tokens[at]
+        (tmp_path / "generation_config.json").write_text(json.dumps(
+            {"eos_token_id": [2 if stop != 2 else 3, stop], "bos_token_id": 0}))
+        assert load_hf_eos_token_ids(tmp_path)[1:] == ((2 if stop != 2 else 3), stop)
+        (out,) = LLM.from_pretrained(tmp_path).generate([prompt], greedy, progress=False)
+        assert out.tokens == tokens[:at + 1] and out.finish_reason == "eos", stop
+
+
+def test_cli_generate_hf_checkpoint_prints_from_pretrained_text(hf_dir, capsys):
+    from inference.cli import main
+
+    path, _ = hf_dir
+    main(["--hf-checkpoint", str(path), "--prompt", TEXTS[0], "--temperature", "0",
+          "--max-new-tokens", str(NEW_TOKENS), "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    (expected,) = LLM.from_pretrained(path).generate(
+        [TEXTS[0]], SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS), progress=False)
+    assert printed[0]["text"] == expected.text and printed[0]["tokens"] == expected.tokens
+    assert_lively(expected.tokens, 4)
+
+
+def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
+    """`gpt-jax serve --hf-checkpoint DIR` (a subprocess): a greedy completion is the text
+    `LLM.from_pretrained(DIR).generate` gives."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx2 as httpx
+
+    from conftest import free_port
+
+    path, _ = hf_dir
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpt_jax.cli", "serve", "--hf-checkpoint", str(path), "--port",
+         str(port), "--max-slots", "2", "--no-warmup"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        printed = ""
+        for line in proc.stdout:  # until it listens with the model loaded
+            printed += line
+            if " ready on " in line:
+                break
+        assert " ready on " in printed, printed
+        body = {"model": path.name, "prompt": TEXTS[1], "max_tokens": NEW_TOKENS,
+                "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        (expected,) = LLM.from_pretrained(path).generate(
+            [TEXTS[1]], SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS),
+            progress=False)
+        assert r.json()["choices"][0]["text"] == expected.text
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
