@@ -5,15 +5,11 @@ itself, Llama 3's chat template, and generation_config.json's EOS list (<|end_of
 
 The rendered template already starts with `bos_token`: our prompt ids equal
 `transformers`' `apply_chat_template(..., tokenize=True)` (one BOS, not two). Then
-`gpt-jax serve --hf-checkpoint DIR` (a subprocess) answers chat completions (streamed and
+the server `gpt-jax serve --hf-checkpoint DIR` runs answers chat completions (streamed and
 not, n = 2, seed, stop, logprobs) as `LLM.from_pretrained(DIR).chat` does, and each id of
 the EOS list ends a reply with finish_reason "stop", absent from the text."""
 
 import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -83,3 +79,77 @@ def test_prompt_ids_have_one_bos_as_apply_chat_template(auto, llm):
         assert text.startswith(BOS) and llm.tokenizer.encode(text)[:2] == [0, 0]  # the trap
         ids = llm.chat_template.encode(llm.tokenizer, messages)
         assert ids == auto_ids(auto, messages) and ids.count(0) == 1
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir, llm):
+    """The server `gpt-jax serve --hf-checkpoint DIR --max-slots 4` runs (its loaders:
+    the directory's template, EOS list and engine), in this process so that it shares the
+    compiled programs of `llm`'s engine; yields its base URL."""
+    from inference.serve import _chat_template, _engine, parse_args
+    from inference.server import ServerConfig
+    from serving import running, wait_ready
+
+    args = parse_args(["--hf-checkpoint", str(llama_dir), "--max-slots", str(SLOTS)])
+    engine, eos = _engine(args, llama_dir)
+    cfg = ServerConfig(llama_dir.name, eos_token_ids=eos,
+                       chat_template=_chat_template(args.chat_template, llama_dir))
+    with running(lambda: engine, cfg) as base:
+        wait_ready(base)
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    import openai
+
+    return openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0,
+                         timeout=TIMEOUT_S)
+
+
+def solo_chat(llm, messages, **fields):
+    return llm.chat([messages], SamplingParams(**fields), max_batch_size=SLOTS, progress=False)
+
+
+def test_served_chat_equals_llm_chat_streamed_and_not(llama_dir, llm, client, auto):
+    fields = dict(max_new_tokens=24, temperature=0.9, seed=7, n=2, logprobs=2)
+    texts = [r.text for r in solo_chat(llm, TALK, **fields)]
+    stop = next(t[4:6] for t in texts if len(t) >= 8)  # a stop string one sample meets
+    ref = solo_chat(llm, TALK, **fields, stop=[stop])
+    assert {r.finish_reason for r in ref} <= {"stop", "length"}
+    asked = dict(model=llama_dir.name, messages=TALK, max_completion_tokens=24,
+                 temperature=0.9, seed=7, n=2, stop=stop)
+    r = client.chat.completions.create(**asked, logprobs=True, top_logprobs=2)
+    assert r.usage.prompt_tokens == len(auto_ids(auto, TALK))  # one BOS
+    assert r.usage.completion_tokens == sum(len(e.tokens) for e in ref)
+    assert any(c.finish_reason == "stop" for c in r.choices)
+    for choice, expected in zip(r.choices, ref):
+        assert choice.message.content == expected.text
+        assert choice.finish_reason == expected.finish_reason
+        np.testing.assert_allclose([c.logprob for c in choice.logprobs.content],
+                                   expected.logprobs, atol=1e-5)
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    texts, finish = {0: "", 1: ""}, {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert [texts[0], texts[1]] == [e.text for e in ref]
+    assert finish == {0: ref[0].finish_reason, 1: ref[1].finish_reason}
+
+
+@pytest.mark.parametrize("token", [END, EOM, EOT])
+def test_each_id_of_the_eos_list_ends_a_reply_with_stop(llama_dir, llm, client, token):
+    """<|eot_id|> is the template's end of turn; <|end_of_text|> and <|eom_id|> come only
+    from generation_config.json's list."""
+    end = llm.tokenizer.tokenizer.token_to_id(token)
+    out, = solo_chat(llm, TALK, max_new_tokens=20, min_tokens=2, logit_bias={end: 100.0},
+                     temperature=0.0)
+    assert out.finish_reason == "stop" and out.tokens[-1] == end and len(out.tokens) == 3
+    assert out.text == llm.tokenizer.decode(out.tokens[:-1]) and token not in out.text
+    r = client.chat.completions.create(model=llama_dir.name, messages=TALK, max_tokens=20,
+                                       logit_bias={str(end): 100}, temperature=0,
+                                       extra_body={"min_tokens": 2})
+    choice, = r.choices
+    assert choice.finish_reason == "stop" and r.usage.completion_tokens == 3
+    assert choice.message.content == out.text
