@@ -48,6 +48,14 @@ def parse_args(argv=None):
     p.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="IDS",
                    help="token-id prompt, comma-separated (repeatable): prints the generated "
                         "ids, one comma-separated line per completion")
+    add_sampling_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
+    p.add_argument("--report", action="store_true", help="print timing and KV cache size")
+    return p.parse_args(argv)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """A flag for every SamplingParams field (`sampling_from_args` reads them)."""
     s = p.add_argument_group("sampling (inference.SamplingParams)")
     s.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"default: {DEFAULT_MAX_NEW_TOKENS} (with --context-overflow error: "
@@ -76,9 +84,6 @@ def parse_args(argv=None):
                    help="past the model's context: crop = predict each token from the last "
                         "max_seq_len tokens (nanoGPT; a longer prompt is cropped), error = "
                         "refuse the request")
-    p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
-    p.add_argument("--report", action="store_true", help="print timing and KV cache size")
-    return p.parse_args(argv)
 
 
 def _ids(text: str) -> tuple[int, ...]:

@@ -10,6 +10,12 @@ not, n = 2, seed, stop, logprobs) as `LLM.from_pretrained(DIR).chat` does, and e
 the EOS list ends a reply with finish_reason "stop", absent from the text."""
 
 import json
+import os
+import re
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
@@ -153,3 +159,83 @@ def test_each_id_of_the_eos_list_ends_a_reply_with_stop(llama_dir, llm, client, 
     choice, = r.choices
     assert choice.finish_reason == "stop" and r.usage.completion_tokens == 3
     assert choice.message.content == out.text
+
+
+# ---------------------------------------------------------------------- gpt-jax chat
+
+# Makes the pseudo-terminal the controlling terminal of the command (a new session), so
+# that Ctrl-C typed into it is SIGINT to the command, as in a real terminal.
+WITH_TTY = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+            "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+SUMMARY = r"\[prompt (\d+) tokens: (\d+) from the prefix cache, (\d+) prefilled[^\]]*\]"
+
+
+class Terminal:
+    """A command on a pseudo-terminal: type into it, read what it printed."""
+
+    def __init__(self, argv: list[str]):
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WITH_TTY] + argv, stdin=slave, stdout=slave,
+            stderr=slave, start_new_session=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        os.close(slave)
+        self.seen = b""  # printed since the last match
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def expect(self, pattern: str, consume: bool = True) -> re.Match:
+        """The first match of `pattern` in what was printed since the last match (without
+        readline's bracketed-paste switches); it and what came before it are then consumed
+        unless `consume` is False."""
+        import select
+
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (found := re.search(pattern, text := re.sub(
+                r"\x1b\[\?2004[hl]", "", self.seen.decode(errors="replace")))):
+            left = deadline - time.monotonic()
+            assert left > 0 and self.proc.poll() is None, f"no {pattern!r} in:\n{text}"
+            if select.select([self.master], [], [], min(left, 1.0))[0]:
+                self.seen += os.read(self.master, 65536)
+        if consume:
+            self.seen = text[found.end():].encode()
+        return found
+
+
+def test_gpt_jax_chat_in_a_terminal(llama_dir, auto):
+    """Two turns (the second's prompt found in the prefix cache), /reset, Ctrl-C in the
+    middle of a reply (kept) then another turn, and Ctrl-D: exit status 0. Each turn
+    prefills at most 32 tokens: one prefill program to compile."""
+    first = "The quick brown fox jumps over the lazy dog while the assistant answers."
+    term = Terminal(["-m", "gpt_jax.cli", "chat", "--hf-checkpoint", str(llama_dir),
+                     "--temperature", "0", "--max-new-tokens", "6"])
+    try:
+        term.expect("Ctrl-D leaves")
+        term.type(first + "\n")
+        n, reused, prefilled = map(int, term.expect(SUMMARY).groups())
+        assert n == len(auto_ids(auto, [{"role": "user", "content": first}]))  # one BOS
+        term.type("Why?\n")
+        n2, reused, prefilled = map(int, term.expect(SUMMARY).groups())
+        assert n2 > n and reused >= 16 and reused + prefilled == n2  # turn 1's pages
+        term.type("/reset\n")
+        term.expect(r"\(conversation cleared\)")
+        term.type("/set max_new_tokens 2000\n/set min_tokens 2000\n")  # no end in sight
+        term.expect(r"\(min_tokens = 2000\)")
+        term.type("Bonjour!\n")
+        term.expect(r"Bonjour!\r?\n")
+        term.expect(r"\S", consume=False)  # the reply has begun
+        term.type("\x03")
+        assert term.expect(SUMMARY).group().endswith("; interrupted]")
+        term.type("/set min_tokens 0\n/set max_new_tokens 4\nEncore?\n")
+        n4, reused, _ = map(int, term.expect(SUMMARY).groups())
+        unsaid = [{"role": "user", "content": "Bonjour!"}, {"role": "assistant", "content": ""},
+                  {"role": "user", "content": "Encore?"}]
+        assert n4 > len(auto_ids(auto, unsaid)) and reused >= 16  # what was said stayed in
+        term.type("\x04")
+        assert term.proc.wait(timeout=30) == 0
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+        os.close(term.master)
