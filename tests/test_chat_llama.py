@@ -239,3 +239,55 @@ def test_gpt_jax_chat_in_a_terminal(llama_dir, auto):
         if term.proc.poll() is None:
             term.proc.kill()
         os.close(term.master)
+
+
+# ---------------------------------------------------------------------- the page
+
+def test_the_page_s_chat_mode_streams_two_turns_in_a_real_browser(served, llm, tmp_path):
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or "chromium"
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                 "--disable-gpu", "--window-size=1000,1100"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options,
+                              service=Service(shutil.which("chromedriver") or "chromedriver"))
+    said = [{"role": "system", "content": "Be brief."}]
+    try:
+        driver.get(served + "/")
+        field = lambda name: driver.find_element(By.ID, name)  # noqa: E731
+        field("mode_chat").click()
+        for name, value in (("system", said[0]["content"]), ("max_tokens", "24"),
+                            ("temperature", "0")):
+            field(name).clear()
+            field(name).send_keys(value)
+        for turn, content in enumerate(["Grüße! 🙂", "Encore?"]):
+            field("message").send_keys(content)
+            field("send").click()
+            WebDriverWait(driver, TIMEOUT_S).until(
+                lambda d: field("status").text.startswith("done") and len(
+                    d.find_elements(By.CSS_SELECTOR, ".message.assistant .readout")) > turn)
+            said.append({"role": "user", "content": content})
+            expected, = solo_chat(llm, said, max_new_tokens=24, temperature=0.0)
+            reply = driver.find_elements(By.CSS_SELECTOR, ".message.assistant")[turn]
+            text = reply.find_element(By.CLASS_NAME, "text").get_attribute("textContent")
+            assert text == expected.text  # (`.text` would be whitespace-normalized)
+            assert int(reply.get_attribute("data-pieces")) >= 2  # streamed, not at once
+            readout = reply.find_element(By.CLASS_NAME, "readout").text
+            assert readout.startswith(f"{len(expected.tokens)} tokens · ")
+            assert "tokens/s · TTFT " in readout and readout.endswith(
+                f"finish: {expected.finish_reason}")
+            said.append({"role": "assistant", "content": expected.text})
+        assert [m.get_attribute("textContent") for m in driver.find_elements(
+            By.CSS_SELECTOR, ".message.user .text")] == ["Grüße! 🙂", "Encore?"]
+        WebDriverWait(driver, 10).until(lambda d: "KV pages" in field("server").text)
+        assert field("error").text == ""
+        driver.save_screenshot(str(tmp_path / "chat.png"))
+    finally:
+        driver.quit()
