@@ -32,7 +32,7 @@ import threading
 import time
 
 from inference.chat import HOW_TO_SUPPLY
-from inference.cli import add_sampling_args, sampling_from_args
+from inference.sampling_flags import add_sampling_args, sampling_from_args
 from inference.llm import LLM
 from inference.load import add_model_args
 from inference.sampling_params import SamplingParams
