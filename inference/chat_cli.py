@@ -5,10 +5,10 @@ Usage:
   gpt-jax chat --run-dir runs/shakespeare-char --chat-template plain.jinja --temperature 0.7
 
 Each reply is printed as it decodes. The whole conversation is the prompt of every turn,
-and one engine serves them all, so what was already said is found in its prefix cache:
-only the new tokens are prefilled. After each reply one line says so (prompt tokens, how
-many came from the prefix cache, how many were prefilled), with the time to its first
-text, its length and the finish reason.
+and one engine serves them all, so the full pages of the previous turn's prompt are found
+in its prefix cache: only the rest (the last reply, the new message) is prefilled. After
+each reply one line says so (prompt tokens, how many came from the prefix cache, how many
+were prefilled), with the time to its first text, its length and the finish reason.
 
 At the `>` prompt:
   /reset         forget the conversation (the system message stays)
