@@ -291,3 +291,21 @@ def test_the_page_s_chat_mode_streams_two_turns_in_a_real_browser(served, llm, t
         driver.save_screenshot(str(tmp_path / "chat.png"))
     finally:
         driver.quit()
+
+
+def test_gpt_jax_chat_refuses_in_one_line(llama_dir, tmp_path):
+    """No chat template, no directory, a flag that does not apply: one line each, before
+    the loop starts."""
+    from inference.chat_cli import main
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / name).symlink_to(llama_dir / name)
+    for argv, said in ([["--hf-checkpoint", str(tmp_path)], "has no chat template; give one: "
+                        "`gpt-jax chat --chat-template FILE`"],
+                       [["--hf-checkpoint", str(tmp_path / "none")], "none"],
+                       [["--hf-checkpoint", str(llama_dir), "--n", "2"], "--n and --logprobs"]):
+        with pytest.raises(SystemExit) as caught:
+            main(argv)
+        message = str(caught.value.code)
+        assert message.startswith("gpt-jax chat: ") and said in message, message
+        assert "\n" not in message
