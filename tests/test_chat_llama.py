@@ -22,6 +22,7 @@ import pytest
 from gpt_jax import GPTConfig, save_hf
 from gpt_jax.tokenizer import BPETokenizer
 from inference import LLM, SamplingParams
+from inference.chat import token_ids
 from test_chat import CONVERSATIONS, CORPUS, LLAMA3, TALK
 
 BOS, END, EOM, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"
@@ -80,6 +81,8 @@ def auto_ids(auto, messages) -> list[int]:
 def test_prompt_ids_have_one_bos_as_apply_chat_template(auto, llm):
     assert llm.tokenizer.encode("Hi")[0] == 0  # the tokenizer adds BOS to plain text
     assert llm.eos_token_ids == (1, 4, 5)
+    # the template's end of turn is found as one id, not [BOS, id]
+    assert token_ids(llm.tokenizer, llm.chat_template.end_of_turn_tokens()) == [5]
     for messages in CONVERSATIONS:
         text = llm.chat_template.render(messages)
         assert text.startswith(BOS) and llm.tokenizer.encode(text)[:2] == [0, 0]  # the trap
