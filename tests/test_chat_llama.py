@@ -236,8 +236,12 @@ def test_gpt_jax_chat_in_a_terminal(llama_dir, auto):
         unsaid = [{"role": "user", "content": "Bonjour!"}, {"role": "assistant", "content": ""},
                   {"role": "user", "content": "Encore?"}]
         assert n4 > len(auto_ids(auto, unsaid)) and reused >= 16  # what was said stayed in
+        term.expect("> ")  # readline reads the terminal raw now: Ctrl-D is its EOF
         term.type("\x04")
-        assert term.proc.wait(timeout=30) == 0
+        try:
+            assert term.proc.wait(timeout=60) == 0
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"Ctrl-D did not end it; it printed:\n{term.seen.decode()}")
     finally:
         if term.proc.poll() is None:
             term.proc.kill()
