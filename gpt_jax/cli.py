@@ -1,8 +1,8 @@
-"""The `gpt-jax` command: `gpt-jax {data,train,generate,serve,export,demo,bench} [flags]`;
+"""The `gpt-jax` command: `gpt-jax {data,train,generate,serve,chat,export,demo,bench} [flags]`;
 `gpt-jax CMD --help`.
 
 The dispatcher only: each command lives where its job is (`training.data`, `training.train`,
-`inference.cli`, `inference.serve`, `inference.export`, `training.demo`,
+`inference.cli`, `inference.serve`, `inference.chat_cli`, `inference.export`, `training.demo`,
 benchmarks/bench.py) and is imported here lazily, when it is asked for. This module is the
 model package's one documented exception to "gpt_jax imports nothing above it"
 (tests/test_cli.py holds the import graph to that); nothing imports it back.
@@ -20,6 +20,7 @@ commands:
   train      train a model (python -m training.train)
   generate   generate text from a trained run (python -m inference.cli)
   serve      an OpenAI-compatible HTTP server on the serving engine (inference.serve)
+  chat       talk with a model in the terminal through its chat template (inference.chat_cli)
   export     the whole generation program, weights inside, as one jax.export file that
              a process with only jax runs (inference.export)
   demo       data, train shakespeare-char within a time budget (once), generate (make demo)
@@ -63,6 +64,10 @@ def dispatch(argv: list[str], own_process: bool) -> int:
         from inference.serve import main as serve_main
 
         serve_main(rest)
+    elif command == "chat":
+        from inference.chat_cli import main as chat_main
+
+        return chat_main(rest)
     elif command == "export":
         from inference.export import main as export_main
 

@@ -32,7 +32,9 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.chars)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`'s characters (a character vocabulary adds no special tokens,
+        so `add_special_tokens` changes nothing; it is there for BPETokenizer's callers)."""
         try:
             return [self._ids[c] for c in text]
         except KeyError:
@@ -98,8 +100,12 @@ class BPETokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids  # with the post-processor's BOS, if any
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`, with the tokenizer's post-processor tokens (a Llama
+        tokenizer.json's BOS) unless `add_special_tokens` is False: text that already holds
+        them, such as a rendered chat template that starts with `bos_token`, is encoded
+        without (transformers' `apply_chat_template` does the same)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)

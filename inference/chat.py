@@ -153,6 +153,14 @@ class ChatTemplate:
             raise _message_error(f"the model's chat template refused the conversation: {error}",
                                  "a conversation the template accepts") from None
 
+    def encode(self, tokenizer, messages) -> list[int]:
+        """The prompt ids of a conversation: its rendered text encoded without the
+        tokenizer's own special tokens, as `apply_chat_template(..., tokenize=True)` encodes
+        it (the template writes them: Llama 3's begins with `bos_token`, which a tokenizer
+        that adds BOS would otherwise double). Raises as `render`, and ValueError for text
+        a character tokenizer cannot encode."""
+        return tokenizer.encode(self.render(messages), add_special_tokens=False)
+
     def end_of_turn_tokens(self) -> list[str]:
         """The token strings that end the model's turn: the EOS token and the known
         end-of-turn tokens the template writes."""
@@ -166,6 +174,15 @@ class ChatTemplate:
         return cls(Path(path).read_text(encoding="utf-8"), special_tokens)
 
     @classmethod
+    def load(cls, directory, path=None) -> ChatTemplate | None:
+        """The template file `path` with the model directory's special tokens (so a given
+        template's `bos_token` is the model's), else the directory's own (`from_dir`).
+        Raises OSError, ValueError for a template that cannot be read or parsed."""
+        if path is None:
+            return cls.from_dir(directory)
+        return cls.from_file(path, special_tokens(_tokenizer_config(Path(directory))))
+
+    @classmethod
     def from_dir(cls, directory) -> ChatTemplate | None:
         """The template of a model directory: `chat_template.jinja`, else
         `tokenizer_config.json`'s `chat_template` (a string, or a list of {name, template}
@@ -173,7 +190,7 @@ class ChatTemplate:
         has one."""
         directory = Path(directory)
         config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        config = _tokenizer_config(directory)
         tokens = special_tokens(config)
         jinja_path = directory / "chat_template.jinja"
         if jinja_path.exists():
@@ -186,6 +203,11 @@ class ChatTemplate:
                                  "'default'")
             source = named["default"]
         return None if source is None else cls(source, tokens)
+
+
+def _tokenizer_config(directory: Path) -> dict:
+    path = directory / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def special_tokens(tokenizer_config: dict) -> dict[str, str]:
@@ -207,7 +229,7 @@ def token_ids(tokenizer, tokens: list[str]) -> list[int]:
     ids = []
     for token in tokens:
         try:
-            encoded = tokenizer.encode(token)
+            encoded = tokenizer.encode(token, add_special_tokens=False)  # no BOS before
         except ValueError:  # a character tokenizer without one of its characters
             continue
         if len(encoded) == 1 and encoded[0] not in ids:

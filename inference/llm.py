@@ -16,8 +16,11 @@ arrives, and a tail that could still grow into a stop string is held back until 
 
 `llm.chat([[{"role": "user", "content": "Hi"}]])` renders each conversation with the LLM's
 chat template (`inference.chat`) and generates as `generate` does, stopping at the
-template's end-of-turn token (finish reason "eos", as for any stop token id; the server
-answers "stop"), which is not in the text.
+template's end-of-turn token, which is not in the text. Its finish reason is then "stop",
+as vLLM's `LLM.chat` and every OpenAI-compatible server (ours included) report it; `generate`
+keeps "eos" for an EOS or stop token id, telling it apart from a stop string. The
+conversation is encoded without the tokenizer's own special tokens (the template writes
+them, as transformers' `apply_chat_template` encodes it: no second BOS).
 
 Text does not stop at the model's context: a request whose `context_overflow` is None runs
 as "crop" here (nanoGPT's sampler: past max_seq_len each token is predicted from the last
@@ -44,7 +47,7 @@ from inference.sampling_params import SamplingParams
 class TextCompletion:
     text: str  # generated text, cut before a stop string, without an ending EOS token's text
     tokens: list[int]  # generated ids, through the EOS or the token that completed a stop string
-    finish_reason: str  # "eos", "stop" or "length"
+    finish_reason: str  # "eos", "stop" or "length" (`chat`: "stop" for an end-of-turn/EOS id)
     seed: int  # pass it back in SamplingParams to repeat the sample
     logprobs: list[float] | None = None  # per token of `tokens`, when asked
     top_logprobs: list[dict[int, float]] | None = None  # the `logprobs` most likely per step
@@ -142,10 +145,9 @@ class LLM:
                         quantize: str | None = None, chat_template=None) -> LLM:
         """Load the latest (or given) checkpoint of a training run directory (see `LLM` for
         `dtype` and `quantize`). `chat_template`: a template file; None takes the run
-        directory's (`ChatTemplate.from_dir`), if it has one."""
+        directory's, if it has one (`ChatTemplate.load`)."""
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
-        template = (ChatTemplate.from_dir(run_dir) if chat_template is None
-                    else ChatTemplate.from_file(chat_template))
+        template = ChatTemplate.load(run_dir, chat_template)
         return cls(params, config, tokenizer, dtype, quantize, template)
 
     @classmethod
@@ -154,12 +156,12 @@ class LLM:
         """Load a Hugging Face directory of any family `gpt_jax.load_hf` reads, with its
         tokenizer (`gpt_jax.hf.load_hf_tokenizer`; None when it has none: token-id prompts
         only), every EOS id of config.json and generation_config.json, and its chat template
-        (`ChatTemplate.from_dir`) unless `chat_template` names a template file."""
+        unless `chat_template` names a template file (`ChatTemplate.load`: with the
+        directory's special tokens)."""
         from gpt_jax.hf import load_hf, load_hf_eos_token_ids, load_hf_tokenizer
 
         config, params = load_hf(hf_dir)
-        template = (ChatTemplate.from_dir(hf_dir) if chat_template is None
-                    else ChatTemplate.from_file(chat_template))
+        template = ChatTemplate.load(hf_dir, chat_template)
         return cls(params, config, load_hf_tokenizer(hf_dir), dtype, quantize, template,
                    load_hf_eos_token_ids(hf_dir))
 
@@ -191,20 +193,8 @@ class LLM:
             vocabulary, or any invalid request (see `inference.generation.validate`), before
             anything runs.
         """
-        from tqdm import tqdm
-
         deltas = self.stream(prompts, sampling, max_batch_size=max_batch_size)
-        done = {}
-        per_prompt = sampling if isinstance(sampling, (list, tuple)) else \
-            [sampling or SamplingParams()] * len(prompts)
-        total = sum(sp.n for sp in per_prompt)
-        with tqdm(total=total, disable=not progress, unit="completion",
-                  desc="generate") as bar:
-            for d in deltas:
-                if d.completion:
-                    done[d.index] = d.completion
-                    bar.update()
-        return [done[i] for i in range(len(done))]
+        return _collect(deltas, sampling, len(prompts), progress, "generate")
 
     def stream(self, prompts: list[str], sampling=None, *,
                max_batch_size: int = 32) -> Iterator[Delta]:
@@ -212,45 +202,51 @@ class LLM:
         the last delta of each completion carries its TextCompletion. Joined, a
         completion's deltas equal its `generate` text. Raises as `generate`, when called
         (not at the first delta)."""
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        sampling = crop_by_default(sampling)
-        if self.eos_token_ids:  # else the requests go to validate untouched
-            sampling = with_stop_ids(sampling, list(self.eos_token_ids))
-        token_prompts, per_prompt = validate(self.config, self._encode(prompts), sampling)
-        return self._deltas(token_prompts, per_prompt, max_batch_size)
+        _check_batch_size(max_batch_size)
+        return self._stream(self._encode(prompts), sampling, max_batch_size)
 
     def chat(self, conversations: list[list[dict]], sampling=None, *,
              max_batch_size: int = 32, progress: bool = True) -> list[TextCompletion]:
         """`generate` for each conversation (a list of {"role", "content"} messages),
-        rendered with the chat template and stopping at its end-of-turn tokens. Raises as
-        `generate`; NoChatTemplate without a template; RequestError (field "messages") for
-        messages the template refuses."""
-        prompts, sampling = self._chat_prompts(conversations, sampling)
-        return self.generate(prompts, sampling, max_batch_size=max_batch_size,
-                             progress=progress)
+        rendered with the chat template and stopping at its end-of-turn tokens (finish
+        reason "stop"). Raises as `generate`; NoChatTemplate without a template;
+        RequestError (field "messages") for messages the template refuses."""
+        deltas = self.stream_chat(conversations, sampling, max_batch_size=max_batch_size)
+        return _collect(deltas, sampling, len(conversations), progress, "chat")
 
     def stream_chat(self, conversations: list[list[dict]], sampling=None, *,
                     max_batch_size: int = 32) -> Iterator[Delta]:
         """`stream` for each conversation, as `chat` renders it."""
+        _check_batch_size(max_batch_size)
         prompts, sampling = self._chat_prompts(conversations, sampling)
-        return self.stream(prompts, sampling, max_batch_size=max_batch_size)
+        return self._stream(prompts, sampling, max_batch_size, chat=True)
 
-    def _chat_prompts(self, conversations, sampling) -> tuple[list[str], object]:
-        """The prompt text of each conversation, and `sampling` with the template's
-        end-of-turn ids among each request's stop_token_ids."""
+    def _chat_prompts(self, conversations, sampling) -> tuple[list[list[int]], object]:
+        """The prompt ids of each conversation (`ChatTemplate.encode`), and `sampling` with
+        the template's end-of-turn ids among each request's stop_token_ids."""
         if self.chat_template is None:
             raise NoChatTemplate(f"this LLM has no chat template; {HOW_TO_SUPPLY}")
         if not isinstance(conversations, (list, tuple)) or (
                 conversations and isinstance(conversations[0], dict)):
             raise TypeError("conversations must be a list of conversations (each a list of "
                             "messages); wrap a single conversation in a list")
-        prompts = [self.chat_template.render(c) for c in conversations]
+        prompts = [self.chat_template.encode(self.tokenizer, c) for c in conversations]
         stop_ids = token_ids(self.tokenizer, self.chat_template.end_of_turn_tokens())
         return prompts, with_stop_ids(sampling, stop_ids)
 
-    def _deltas(self, token_prompts, per_prompt, max_batch_size: int) -> Iterator[Delta]:
-        """The engine's outputs for validated requests, as `stream` yields them."""
+    def _stream(self, token_prompts, sampling, max_batch_size: int,
+                chat: bool = False) -> Iterator[Delta]:
+        """`stream` of token-id prompts (checked by `validate` here, when called)."""
+        sampling = crop_by_default(sampling)
+        if self.eos_token_ids:  # else the requests go to validate untouched
+            sampling = with_stop_ids(sampling, list(self.eos_token_ids))
+        token_prompts, per_prompt = validate(self.config, token_prompts, sampling)
+        return self._deltas(token_prompts, per_prompt, max_batch_size, chat)
+
+    def _deltas(self, token_prompts, per_prompt, max_batch_size: int,
+                chat: bool) -> Iterator[Delta]:
+        """The engine's outputs for validated requests, as `stream` yields them (a chat's
+        end-of-turn or EOS token: finish reason "stop")."""
         eng = self.engine(max_batch_size)
         first, ids = [], []  # completion index of each prompt's sample 0; request ids
         for p, (tokens, sp) in enumerate(zip(token_prompts, per_prompt)):
@@ -266,11 +262,35 @@ class LLM:
                     i = first[index[out.request_id]] + out.sample_index
                     completion = None
                     if out.finished:
-                        completion = TextCompletion(out.text, out.token_ids, out.finish_reason,
-                                                    out.seed, out.logprobs, out.top_logprobs)
+                        reason = "stop" if chat and out.finish_reason == "eos" else \
+                            out.finish_reason
+                        completion = TextCompletion(out.text, out.token_ids, reason, out.seed,
+                                                    out.logprobs, out.top_logprobs)
                     if out.new_text or completion:
                         yield Delta(i, out.new_text, completion)
         finally:  # a consumer that stops early leaves no request behind
             for request_id in ids:
                 if request_id in eng.scheduler.requests:
                     eng.abort(request_id)
+
+
+def _check_batch_size(max_batch_size) -> None:
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+
+
+def _collect(deltas: Iterator[Delta], sampling, n_prompts: int, progress: bool,
+             desc: str) -> list[TextCompletion]:
+    """Every completion of `deltas`, in order, behind a tqdm bar (stderr) when `progress`."""
+    from tqdm import tqdm
+
+    per_prompt = sampling if isinstance(sampling, (list, tuple)) else \
+        [sampling or SamplingParams()] * n_prompts
+    done = {}
+    with tqdm(total=sum(sp.n for sp in per_prompt), disable=not progress,
+              unit="completion", desc=desc) as bar:
+        for d in deltas:
+            if d.completion:
+                done[d.index] = d.completion
+                bar.update()
+    return [done[i] for i in range(len(done))]

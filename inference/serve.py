@@ -125,10 +125,7 @@ def _chat_template(path: str | None, source: Path) -> ChatTemplate | None:
     directory's template, else None. A template that cannot be read or parsed stops the
     command."""
     try:
-        found = ChatTemplate.from_dir(source)
-        if path is None:
-            return found
-        return ChatTemplate.from_file(path, found.special_tokens if found else None)
+        return ChatTemplate.load(source, path)
     except (OSError, ValueError) as error:
         raise SystemExit(f"gpt-jax serve: the chat template: {error}") from None
 

@@ -215,7 +215,7 @@ async def _chat_prompt(server: Server, body: ChatRequest,
     def render() -> tuple[list[int], list[int]]:
         stops = token_ids(engine.tokenizer, template.end_of_turn_tokens())
         eos = [i for i in server.cfg.eos_token_ids if i not in stops]
-        return engine.tokenizer.encode(template.render(body.messages)), stops + eos
+        return template.encode(engine.tokenizer, body.messages), stops + eos
     try:
         return await asyncio.to_thread(render)  # long conversations: off the loop
     except RequestError as error:

@@ -1,0 +1,191 @@
+"""`gpt-jax chat`: talk with a model in the terminal, through its chat template.
+
+Usage:
+  gpt-jax chat --hf-checkpoint SmolLM2-135M-Instruct
+  gpt-jax chat --run-dir runs/shakespeare-char --chat-template plain.jinja --temperature 0.7
+
+Each reply is printed as it decodes. The whole conversation is the prompt of every turn,
+and one engine serves them all, so the full pages of the previous turn's prompt are found
+in its prefix cache: only the rest (the last reply, the new message) is prefilled. After
+each reply one line says so (prompt tokens, how many came from the prefix cache, how many
+were prefilled), with the time to its first text, its length and the finish reason.
+
+At the `>` prompt:
+  /reset         forget the conversation (the system message stays)
+  /system TEXT   set the system message (empty TEXT: none)
+  /set F VALUE   set SamplingParams field F of the next replies (/set temperature 0.7)
+  /stats         the engine's counters (pages, prefix cache hits, prefilled tokens)
+  /help          this list
+Ctrl-C during a reply stops it; what was said so far stays in the conversation, as
+llama.cpp's interactive mode keeps it. Ctrl-C at the prompt clears the line; Ctrl-D leaves
+(exit status 0). Every SamplingParams flag of `gpt-jax generate` applies to each reply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+import threading
+import time
+
+from inference.chat import HOW_TO_SUPPLY
+from inference.sampling_flags import add_sampling_args, sampling_from_args
+from inference.llm import LLM
+from inference.load import add_model_args
+from inference.sampling_params import SamplingParams
+
+COMMANDS = ("/reset", "/system", "/set", "/stats", "/help")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gpt-jax chat", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template (default: the model directory's "
+                        "chat_template.jinja or tokenizer_config.json's)")
+    p.add_argument("--system", default=None, help="the system message to start with")
+    add_sampling_args(p)
+    return p.parse_args(argv)
+
+
+@dataclasses.dataclass
+class Chat:
+    """A conversation with `llm`: its system message and turns so far."""
+
+    llm: LLM
+    sampling: SamplingParams  # of every reply
+    system: str | None = None
+    turns: list[dict] = dataclasses.field(default_factory=list)  # user, assistant, ...
+
+    def messages(self, user: str) -> list[dict]:
+        """The conversation with `user` said next."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.turns + [{"role": "user", "content": user}]
+
+    def reply(self, user: str, out) -> str:
+        """Stream the reply to `user` to `out`, keep both in the conversation, and return
+        the turn's summary line. Ctrl-C (SIGINT) stops the reply at its next piece of text
+        and keeps what was said. Raises as `LLM.stream_chat` (before anything is printed:
+        the conversation is then left as it was)."""
+        engine = self.llm.engine(1)  # one slot, the same engine every turn
+        before = engine.stats()
+        deltas = self.llm.stream_chat([self.messages(user)], self.sampling, max_batch_size=1)
+        stop = threading.Event()
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+        start, first, said, done = time.monotonic(), None, "", None
+        try:
+            for delta in deltas:
+                first = first or time.monotonic()
+                said += delta.text
+                out.write(delta.text)
+                out.flush()
+                done = delta.completion
+                if stop.is_set():
+                    break
+        finally:
+            deltas.close()  # an unfinished reply's request is aborted, its pages freed
+            signal.signal(signal.SIGINT, previous)
+        self.turns += [{"role": "user", "content": user},
+                       {"role": "assistant", "content": said}]
+        return _summary(engine.page_size, before, engine.stats(), start, first, done)
+
+
+def _summary(page_size: int, before: dict, after: dict, start: float, first: float | None,
+             done) -> str:
+    """One line on a turn: its prompt tokens, from the prefix cache and prefilled (engine
+    counters before and after), when its first text came (the engine hands text over by
+    chunks of decode steps), its length and finish reason ("interrupted": Ctrl-C)."""
+    reused = (after["prefix_cache_hits"] - before["prefix_cache_hits"]) * page_size
+    prefilled = after["prefilled_tokens"] - before["prefilled_tokens"]
+    line = (f"[prompt {reused + prefilled} tokens: {reused} from the prefix cache, "
+            f"{prefilled} prefilled")
+    if first is not None:
+        line += f"; first text after {first - start:.2f} s"
+    if done is None:
+        return line + "; interrupted]"
+    return line + (f"; {len(done.tokens)} tokens in {time.monotonic() - start:.2f} s; "
+                   f"{done.finish_reason}]")
+
+
+def command(chat: Chat, line: str) -> str:
+    """Run a /command; what to print."""
+    name, _, rest = line.partition(" ")
+    if name == "/reset":
+        chat.turns = []
+        return "(conversation cleared)"
+    if name == "/system":
+        chat.system = rest.strip() or None
+        return f"(system message {'set' if chat.system else 'cleared'})"
+    if name == "/set":
+        field, _, value = rest.strip().partition(" ")
+        try:  # a JSON value: 0.7, 200, null
+            chat.sampling = dataclasses.replace(chat.sampling, **{field: json.loads(value)})
+        except (TypeError, ValueError) as error:
+            return f"/set {rest.strip()}: {error} (/set FIELD VALUE, a SamplingParams field)"
+        return f"({field} = {value})"
+    if name == "/stats":
+        return " ".join(f"{k}={v}" for k, v in chat.llm.engine(1).stats().items())
+    if name == "/help":
+        return __doc__[__doc__.index("At the"):__doc__.index("Ctrl-C during")].rstrip()
+    return f"unknown command {name!r}; commands: {', '.join(COMMANDS)}"
+
+
+def load(args) -> LLM:
+    """The model `args` name with its chat template. Raises SystemExit in one line: a model
+    that cannot load, no template, a bad flag."""
+    try:
+        sampling = sampling_from_args(args)
+        if sampling.n != 1 or sampling.logprobs is not None:
+            raise ValueError("--n and --logprobs do not apply to a chat (one reply, as text)")
+        llm = (LLM.from_pretrained(args.hf_checkpoint, args.dtype, args.quantize,
+                                   args.chat_template) if args.hf_checkpoint else
+               LLM.from_checkpoint(args.run_dir, None, args.dtype, args.quantize,
+                                   args.chat_template))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"gpt-jax chat: {error}") from None
+    if llm.chat_template is None:
+        raise SystemExit(f"gpt-jax chat: {args.hf_checkpoint or args.run_dir} has no chat "
+                         f"template; {HOW_TO_SUPPLY.replace('gpt-jax serve', 'gpt-jax chat')}")
+    if llm.tokenizer is None:
+        raise SystemExit(f"gpt-jax chat: {args.hf_checkpoint} has no tokenizer")
+    return llm
+
+
+def main(argv=None) -> int:
+    """The chat loop; 0 at Ctrl-D."""
+    args = parse_args(argv)
+    chat = Chat(load(args), sampling_from_args(args), args.system)
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    print(f"gpt-jax chat: {args.hf_checkpoint or args.run_dir}; /help for commands, "
+          "Ctrl-C stops a reply, Ctrl-D leaves", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            print(command(chat, line.strip()), flush=True)
+            continue
+        try:
+            summary = chat.reply(line, sys.stdout)
+        except ValueError as error:  # a template refusing the conversation, text a
+            print(f"gpt-jax chat: {error}", file=sys.stderr, flush=True)  # char vocab lacks
+            continue
+        print(f"\n{summary}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The sampling flags of the commands that generate (`gpt-jax generate`, `gpt-jax chat`): a
+flag for every `SamplingParams` field, and the SamplingParams they give."""
+
+from __future__ import annotations
+
+import argparse
+
+from inference.sampling_params import CONTEXT_OVERFLOW, SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 200
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """A flag for every SamplingParams field (`sampling_from_args` reads them)."""
+    s = p.add_argument_group("sampling (inference.SamplingParams)")
+    s.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"default: {DEFAULT_MAX_NEW_TOKENS} (with --context-overflow error: "
+                        "or what the model's context leaves after the longest prompt if that "
+                        "is less)")
+    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=0, help="0 = off")
+    s.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    s.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    s.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off")
+    s.add_argument("--seed", type=int, default=None, help="default: a fresh random seed")
+    s.add_argument("--stop-token-id", type=int, action="append", default=[],
+                   help="EOS token id (repeatable)")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--stop-sequence", type=ids_arg, action="append", default=[],
+                   help="token stop sequence, comma-separated ids (repeatable)")
+    s.add_argument("--logprobs", type=int, default=None, help="top-N alternatives per token")
+    s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    s.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no EOS, stop sequence or stop string before N tokens (vLLM)")
+    s.add_argument("--logit-bias", type=bias_arg, action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit (OpenAI; repeatable)")
+    s.add_argument("--context-overflow", choices=CONTEXT_OVERFLOW, default="crop",
+                   help="past the model's context: crop = predict each token from the last "
+                        "max_seq_len tokens (nanoGPT; a longer prompt is cropped), error = "
+                        "refuse the request")
+
+
+def ids_arg(text: str) -> tuple[int, ...]:
+    """Comma-separated token ids. Raises argparse.ArgumentTypeError naming the text."""
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids such as 1,2,3, got {text!r}") from None
+
+
+def bias_arg(text: str) -> tuple[int, float]:
+    """`ID=BIAS`, a token id and its logit bias. Raises argparse.ArgumentTypeError naming the
+    text."""
+    token_id, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token_id), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected ID=BIAS such as 50256=-100, got {text!r}") from None
+
+
+def sampling_from_args(args) -> SamplingParams:
+    """SamplingParams from the parsed flags. Raises ValueError for an out-of-range value."""
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed,
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None
+        else args.max_new_tokens, stop_token_ids=args.stop_token_id,
+        stop=[s.replace("\\n", "\n") for s in args.stop], stop_sequences=args.stop_sequence,
+        logprobs=args.logprobs, n=args.n, min_tokens=args.min_tokens,
+        logit_bias=args.logit_bias, context_overflow=args.context_overflow,
+    )
