@@ -36,6 +36,10 @@ with jax's shape error.
 
 The attention is XLA's portable path (`gpt_jax.kernels.portable`): the CPU kernel is a
 custom call registered only in a process that imported gpt_jax.
+
+`--format onnx` writes instead the model's step with a dense KV cache as an ONNX graph,
+dynamic batch and sequence axes (`inference.onnx_export`, run by inference/onnx_runner.py).
+An --out in a folder that does not exist is refused, for both formats.
 """
 
 from __future__ import annotations

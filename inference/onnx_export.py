@@ -39,8 +39,9 @@ from inference import onnx_forward
 
 OPSET = 21  # ONNX opset of the graph: Gelu (opset 20) is one op; TensorRT 10 parses it
 EXTERNAL_OVER = 2_000_000_000  # weight bytes past which they go to OUT.data (protobuf: 2 GiB)
-INDEX_DTYPE = "int32"  # input_ids, attention_mask, position_ids (Optimum: int64; TensorRT's
-#                        native index type is int32, and the runner feeds it)
+# input_ids, attention_mask and position_ids: int32, where Optimum has int64 (TensorRT's
+# native index type is int32; the runner feeds it)
+INDEX_DTYPE = "int32"
 
 # The signature: (name pattern, dtype, axes, meaning). B batch, T new tokens, P past length,
 # K kv heads, H head dim, V vocab; l a layer.
