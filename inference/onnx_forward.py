@@ -6,16 +6,17 @@ so ONNX Runtime, TensorRT and the tools written for those exports run it in a ho
 (`inference/onnx_runner.py`): prefill with an empty past, then one token at a time, each
 call's `present` fed back as the next call's `past`.
 
-  input_ids           int64 [B, T]         the new tokens
-  attention_mask      int64 [B, P + T]     1 for a real token, 0 for padding, over the past
+  input_ids           int32 [B, T]         the new tokens
+  attention_mask      int32 [B, P + T]     1 for a real token, 0 for padding, over the past
                                            and the new tokens
-  position_ids        int64 [B, T]         each new token's position in its own sequence
+  position_ids        int32 [B, T]         each new token's position in its own sequence
   past_key_values.l.key / .value  float32 [B, K, P, H]   layer l's cached keys (rotated at
                                            their positions, with rotary embeddings) and values
   -> logits           float32 [B, T, V]
      present.l.key / .value       float32 [B, K, P + T, H]   the past with the new ones after
 
-P is the past length (0 at prefill). Query t sees key s iff `attention_mask[b, s]` and
+P is the past length (0 at prefill). The indices are int32 where Optimum has int64
+(`inference.onnx_export.INDEX_DTYPE`). Query t sees key s iff `attention_mask[b, s]` and
 s <= P + t; a query that sees no key (a padding query) gets zeros, never NaN. Token and
 learned position ids are clamped to the table (an ONNX Gather refuses an id out of range).
 

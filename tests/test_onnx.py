@@ -266,3 +266,15 @@ def test_bad_flags_are_refused_before_the_weights_are_read(tmp_path, config, cap
     else:  # a one-line refusal
         assert re.match(message, str(stop.value.code)), stop.value.code
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt-ids", "3,64"], r"prompt \[3, 64\]: allowed: one or more ids in \[0, 64\)"),
+    (["--prompt-ids", "3", "--max-new-tokens", "128"],
+     "a prompt of 1 tokens \\+ --max-new-tokens 128 exceeds the model's context of 128"),
+    (["--prompt-ids", "3", "--max-new-tokens", "0"], "--max-new-tokens 0; allowed: an int >= 1"),
+])
+def test_the_runner_refuses_a_bad_request_in_one_line(exported, flags, message):
+    out = exported["cases"]["gpt2"][2]
+    with pytest.raises(SystemExit, match=f"^onnx_runner.py: {message}$"):
+        onnx_runner.main([str(out), *flags])
