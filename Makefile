@@ -11,6 +11,10 @@ PY := $(VENV)/bin/python
 TRAIN_SECONDS ?= 450
 # The lock: pyproject.toml's ranges resolved to the versions the tests passed with (pip -c).
 LOCK := .ci/constraints.txt
+# The ONNX converter, installed with --no-deps: each release that runs on our jax caps
+# orbax-checkpoint below the locked one, and converting imports none of its other
+# requirements (pyproject.toml, the onnx extra).
+JAX2ONNX := jax2onnx==0.17.1
 
 .PHONY: demo test lock device-check clean
 
@@ -26,6 +30,7 @@ $(VENV)/.demo-installed: pyproject.toml $(LOCK) | $(VENV)/bin/python
 $(VENV)/.test-installed: pyproject.toml $(LOCK) | $(VENV)/bin/python
 	$(PY) -m pip install -q -c $(LOCK) torch==2.13.0
 	$(PY) -m pip install -q -c $(LOCK) -e '.[test,hf]'
+	$(PY) -m pip install -q --no-deps '$(JAX2ONNX)'
 	touch $@
 
 # A fresh venv in a temporary folder, the ranges with every extra installed (torch first, as
@@ -36,6 +41,7 @@ lock:
 	$(PYTHON) -m venv "$$tmp/venv" && \
 	"$$tmp/venv/bin/python" -m pip install -q torch==2.13.0 && \
 	"$$tmp/venv/bin/python" -m pip install -q -e '.[test,hf,bench]' && \
+	"$$tmp/venv/bin/python" -m pip install -q --no-deps '$(JAX2ONNX)' && \
 	{ echo "# pip constraints for make test and make demo: pyproject.toml's ranges resolved"; \
 	  echo "# (extras test, hf, bench; Python $$("$$tmp/venv/bin/python" -c 'import platform; print(platform.python_version())')). Rewritten by make lock."; \
 	  "$$tmp/venv/bin/python" -m pip freeze --exclude-editable | grep -v '^#' | \

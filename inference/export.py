@@ -36,12 +36,18 @@ with jax's shape error.
 
 The attention is XLA's portable path (`gpt_jax.kernels.portable`): the CPU kernel is a
 custom call registered only in a process that imported gpt_jax.
+
+`--format onnx` writes instead the model's step with a dense KV cache as an ONNX graph,
+dynamic batch and sequence axes (`inference.onnx_export`, run by inference/onnx_runner.py).
+An --out in a folder that does not exist is refused, for both formats.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -54,7 +60,7 @@ import numpy as np
 from gpt_jax import checkpoint, kernels
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import check_params, decode_layout, param_count
-from inference import stopping
+from inference import onnx_export, stopping
 from inference.generation import generation
 from inference.load import add_model_args, load_config, load_model
 from inference.sampling import SamplingArrays, prompt_hashes
@@ -248,24 +254,31 @@ def tokenizer_files(args) -> dict[str, Path]:
     return {}
 
 
-def write_export(exported: jax.export.Exported, out, config: GPTConfig, *, eos_token_id,
-                 source: str, dtype: str, tokenizer: dict[str, Path],
-                 tokenizer_kind: str | None = None) -> dict:
-    """Write OUT (the serialized program), the tokenizer copies OUT.<suffix> (`tokenizer`:
-    suffix -> file, `tokenizer_files`), and last OUT.json (`describe`), each atomically.
-    Returns the description."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    checkpoint.write_atomic(out, lambda tmp: _write_bytes(tmp, exported.serialize()))
+def copy_tokenizer(out: Path, tokenizer: dict[str, Path],
+                   tokenizer_kind: str | None = None) -> dict | None:
+    """Copy the tokenizer files (`tokenizer`: suffix -> file, `tokenizer_files`) beside
+    `out` as OUT.<suffix>, each atomically. Returns the description's note on them (files,
+    kind, how to read them), or None when there are none."""
     copies = []
     for suffix, source_path in tokenizer.items():
         copy = out.with_name(f"{out.name}.{suffix}")
         checkpoint.write_atomic(copy, lambda tmp, s=source_path: shutil.copyfile(s, tmp))
         copies.append(copy.name)
-    note = {"files": copies, "kind": tokenizer_kind,
+    return {"files": copies, "kind": tokenizer_kind,
             "how": TOKENIZER_HOW["char" if tokenizer_kind == "char" else
                                  "bpe" if "tokenizer.json" in tokenizer else "vocab"]
             } if copies else None
+
+
+def write_export(exported: jax.export.Exported, out, config: GPTConfig, *, eos_token_id,
+                 source: str, dtype: str, tokenizer: dict[str, Path],
+                 tokenizer_kind: str | None = None) -> dict:
+    """Write OUT (the serialized program), the tokenizer copies OUT.<suffix>
+    (`copy_tokenizer`), and last OUT.json (`describe`), each atomically. Returns the
+    description."""
+    out = Path(out)
+    checkpoint.write_atomic(out, lambda tmp: _write_bytes(tmp, exported.serialize()))
+    note = copy_tokenizer(out, tokenizer, tokenizer_kind)
     description = describe(exported, config, program=out.name, eos_token_id=eos_token_id,
                            source=source, dtype=dtype, tokenizer=note)
     checkpoint.write_atomic(out.with_name(f"{out.name}.json"),
@@ -273,35 +286,62 @@ def write_export(exported: jax.export.Exported, out, config: GPTConfig, *, eos_t
     return description
 
 
+FORMATS = ("jax", "onnx")  # --format: a jax.export program; the ONNX step (inference.onnx_export)
+JAX_ONLY = ("batch", "prompt_len", "max_new_tokens", "platforms")  # --format jax's shape flags
+
+
 def parse_args(argv=None):
+    """The flags; `--format onnx` refuses the jax program's shape flags and a --dtype other
+    than float32, `--format jax` requires --batch, --prompt-len and --max-new-tokens
+    (argparse errors, before any work)."""
     p = argparse.ArgumentParser(prog="gpt-jax export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, quantize=False)  # the exported weights are float (--dtype); int8 is not
     p.add_argument("--out", required=True, metavar="FILE", help="the program's file")
-    p.add_argument("--batch", type=int, required=True, metavar="B", help="prompts per call")
-    p.add_argument("--prompt-len", type=int, required=True, metavar="T",
-                   help="prompt tokens per row (right-padded)")
-    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N",
-                   help="tokens generated per row (fewer when a row ends at EOS)")
+    p.add_argument("--format", choices=FORMATS, default="jax",
+                   help="jax: the whole generation program as one jax.export file (fixed "
+                        "shapes); onnx: the model's step with a dense KV cache as inputs and "
+                        "outputs, dynamic batch and sequence axes (inference.onnx_export)")
+    p.add_argument("--batch", type=int, metavar="B", help="prompts per call (jax)")
+    p.add_argument("--prompt-len", type=int, metavar="T",
+                   help="prompt tokens per row, right-padded (jax)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N",
+                   help="tokens generated per row, fewer when a row ends at EOS (jax)")
     p.add_argument("--platforms", default=None, metavar="LIST",
                    help=f"comma-separated, from {','.join(PLATFORMS)} (default: this "
-                        "machine's backend); lowered for each, for the loader to pick")
-    return p.parse_args(argv)
+                        "machine's backend); lowered for each, for the loader to pick (jax)")
+    args = p.parse_args(argv)
+    flags = {name: "--" + name.replace("_", "-") for name in JAX_ONLY}
+    if args.format == "jax":
+        missing = [flags[n] for n in JAX_ONLY[:3] if getattr(args, n) is None]
+        if missing:
+            p.error(f"the following arguments are required: {', '.join(missing)}")
+    else:
+        given = [flags[n] for n in JAX_ONLY if getattr(args, n) is not None]
+        if given:
+            p.error(f"{', '.join(given)}: --format jax only; an ONNX graph's batch and "
+                    "sequence axes are dynamic")
+        if args.dtype != "float32":
+            p.error(f"--dtype {args.dtype}: --format onnx exports float32; allowed: float32")
+    return args
 
 
 def check_out(out: Path) -> None:
     """Raise ValueError, before any work, when the files could not be written at `out`: it
-    is a directory, or its nearest existing parent is not a directory this process may
-    write in (write_export creates the folders below that)."""
+    is a directory, its folder does not exist (no folder is created), or that folder is not
+    one this process may write in."""
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; allowed: a file path (its "
                          "description and tokenizer go beside it)")
-    parent = out.absolute().parent
+    folder = parent = out.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"--out {out}: {parent} is a file, not a directory; allowed: a "
                          "path under a writable directory")
+    if parent != folder:
+        raise ValueError(f"--out {out}: the folder {folder} does not exist; allowed: a path "
+                         "in an existing, writable directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out}: the directory {parent} is not writable; allowed: a "
                          "path under a writable directory")
@@ -311,6 +351,8 @@ def main(argv=None):
     """`gpt-jax export`: check every flag (sizes, platforms, the model's context) before
     loading the weights, then export and write. Bad input exits with a one-line message."""
     args = parse_args(argv)
+    if args.format == "onnx":
+        return main_onnx(args)
     platforms = (jax.default_backend(),) if args.platforms is None else \
         tuple(args.platforms.split(","))  # "" is refused by check_shape, not the default
     try:
@@ -339,6 +381,32 @@ def main(argv=None):
           f"{args.prompt_len}, max_new_tokens {args.max_new_tokens}, platforms "
           f"{','.join(description['platforms'])}, EOS id {eos_token_id}, tokenizer "
           f"{(description['tokenizer'] or {}).get('files')}")
+
+
+def main_onnx(args) -> None:
+    """`gpt-jax export --format onnx` on flags `parse_args` has checked: --out checked and
+    the converter found before the weights are read, then export (`inference.onnx_export`)
+    and write. Bad input exits with a one-line message."""
+    out = Path(args.out)
+    try:
+        check_out(out)
+        load_config(args)  # a missing or broken run is refused before the weights are read
+        if importlib.util.find_spec("jax2onnx") is None:
+            raise ValueError("--format onnx needs jax2onnx, onnx and onnxruntime (README, "
+                             "\"Export to ONNX\")")
+        params, config, tokenizer, eos = load_model(args)
+        model = onnx_export.export_onnx(params, config)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"gpt-jax export: {error}") from None
+    note = functools.partial(copy_tokenizer, tokenizer=tokenizer_files(args),
+                             tokenizer_kind=getattr(tokenizer, "kind", None))
+    try:
+        description = onnx_export.write_onnx(model, out, config, eos_token_ids=eos,
+                                             source=str(args.hf_checkpoint or args.run_dir),
+                                             tokenizer_note=note)
+    except OSError as error:  # each file is written atomically: none is left half-written
+        raise SystemExit(f"gpt-jax export: cannot write --out {out}: {error}") from None
+    print(onnx_export.summary(out, description, params))
 
 
 if __name__ == "__main__":
