@@ -131,6 +131,11 @@ def test_the_demo_ends_with_how_the_budget_changed_its_step_count(tmp_path, monk
     demo.main(["--run-dir", str(run)])
     assert capsys.readouterr().out.splitlines()[-1].endswith(
         "; stopped at step 19990 of 20000 (the steps got slower than the last fit expected)")
+    (run / "summary.json").write_text(json.dumps({**summary, "steps": 1, "budget_fits": []}))
+    demo.main(["--run-dir", str(run)])  # a budget spent before the fit (seen under load 16)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "time budget: stopped at step 1 of 20000 (setup and compiling left too little of it "
+        "to fit max_steps)")
     (run / "summary.json").write_text(json.dumps({**summary, "budget_fits": []}))
     demo.main(["--run-dir", str(run)])
     assert capsys.readouterr().out.splitlines()[-1].startswith("phases: ")

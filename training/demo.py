@@ -74,8 +74,9 @@ def budget_line(summary: dict) -> str | None:
         notes.append(f"max_steps {fit['from']} -> {fit['to']} at step {fit['step']} "
                      f"({why}, {fit['ms_per_step']:.1f} ms/step measured)")
     if summary.get("max_steps", summary["steps"]) > summary["steps"]:
-        notes.append(f"stopped at step {summary['steps']} of {summary['max_steps']} (the steps "
-                     "got slower than the last fit expected)")
+        why = "the steps got slower than the last fit expected" if notes else \
+            "setup and compiling left too little of it to fit max_steps"
+        notes.append(f"stopped at step {summary['steps']} of {summary['max_steps']} ({why})")
     if not notes:
         return None
     return "time budget: " + "; ".join(notes)
