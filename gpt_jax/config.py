@@ -171,6 +171,11 @@ PRESETS: dict[str, GPTConfig] = {
     "shakespeare-char": GPTConfig(
         vocab_size=96, max_seq_len=64, n_layers=4, n_heads=4, d_model=128
     ),
+    # The same width and depth as a Llama-style block (RMSNorm, rotary positions, gated SiLU
+    # of about the GELU MLP's parameters, no biases, tied) with twice the context: rotary
+    # positions learn long contexts where learned ones did not (training/README.md).
+    "shakespeare-char-llama": GPTConfig(vocab_size=96, max_seq_len=128, n_layers=4, n_heads=4,
+                                        d_model=128, intermediate_size=344, **LLAMA),
     # nanoGPT's shakespeare_char model with its README's CPU overrides (n_layer 4, n_head 4,
     # n_embd 128, block_size 64); vocab_size is replaced by the tokenizer's (65 on that corpus).
     "nanogpt-cpu": GPTConfig(vocab_size=65, max_seq_len=64, n_layers=4, n_heads=4, d_model=128),

@@ -106,3 +106,36 @@ def test_a_stopped_demo_run_resumes_with_the_steps_its_budget_fitted(tmp_path, m
     demo.main(["--run-dir", str(fresh)])
     assert [(c.run_dir, c.max_steps, c.time_budget_s) for c in seen] == [
         (str(stopped), 3210, 300.0), (str(fresh), TrainConfig().max_steps, 450.0)]
+
+
+def test_the_demo_ends_with_how_the_budget_changed_its_step_count(tmp_path, monkeypatch,
+                                                                  capsys):
+    """Issue 43: the demo's last line says when and why the budget changed the step count
+    (raised on a fast machine; stopped early when the steps slowed past the last fit)."""
+    import inference.cli
+    from training import demo
+
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = {"steps": 20000, "max_steps": 20000, "tokens_per_s": 1000.0, "train_loss": 2.0,
+               "val_loss": 2.1, "budget_fits": [
+                   {"step": 50, "from": 8000, "to": 20000, "ms_per_step": 19.04}]}
+    (run / "summary.json").write_text(json.dumps(summary))
+    monkeypatch.setattr(demo, "data_main", lambda argv: None)
+    monkeypatch.setattr(inference.cli, "main", lambda argv: None)
+    demo.main(["--run-dir", str(run)])
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "time budget: max_steps 8000 -> 20000 at step 50 (raised: the steps were faster than "
+        "the preset's, 19.0 ms/step measured)")
+    (run / "summary.json").write_text(json.dumps({**summary, "steps": 19990}))
+    demo.main(["--run-dir", str(run)])
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        "; stopped at step 19990 of 20000 (the steps got slower than the last fit expected)")
+    (run / "summary.json").write_text(json.dumps({**summary, "steps": 1, "budget_fits": []}))
+    demo.main(["--run-dir", str(run)])  # a budget spent before the fit (seen under load 16)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "time budget: stopped at step 1 of 20000 (setup and compiling left too little of it "
+        "to fit max_steps)")
+    (run / "summary.json").write_text(json.dumps({**summary, "budget_fits": []}))
+    demo.main(["--run-dir", str(run)])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("phases: ")

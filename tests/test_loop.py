@@ -99,6 +99,75 @@ def test_a_time_budget_ends_the_learning_rate_schedule_with_the_run(corpus, tmp_
                  seen["budget"][steps], seen["fitted"][steps])
 
 
+def steps_taking(monkeypatch, clock, step_s, schedules, stop_at=None):
+    """Make `train`'s steps take `step_s` each on the virtual `clock`, note the length of
+    each learning-rate schedule made (`schedules`), and Ctrl-C the run at step `stop_at`."""
+    from training.step import make_optimizer, make_train_steps  # not an earlier call's
+
+    done = [0]
+
+    def noting(cfg):
+        schedules.append(cfg.max_steps)
+        return make_optimizer(cfg)
+
+    def timed(*args, **kwargs):
+        steps = make_train_steps(*args, **kwargs)
+
+        def timed_steps(state, x, y, n):
+            done[0] += int(n)
+            if stop_at is not None and done[0] > stop_at:
+                raise KeyboardInterrupt
+            clock[0] += step_s * int(n)
+            return steps(state, x, y, n)
+
+        return timed_steps
+
+    monkeypatch.setattr(T, "make_optimizer", noting)
+    monkeypatch.setattr(T, "make_train_steps", timed)
+
+
+@pytest.mark.parametrize("step_s, fitted", [(0.002, 477), (0.01, 96)])
+def test_the_budget_fit_raises_or_lowers_max_steps_and_a_resume_keeps_it(
+        corpus, tmp_path, monkeypatch, step_s, fitted):
+    """Fault: the fit only ever lowered max_steps, so on a fast machine `make demo` ended
+    its schedule in a third of its budget. Now the first fit (in the warmup, at step 50)
+    raises max_steps on a fast machine (2 ms a step: 200 -> 477) and lowers it on a slow
+    one (10 ms: 200 -> 96); the schedule is made again at the fitted length (the lengths
+    made: the state's, the first step's, the fit's), the run ends there, and the summary
+    records the change. Ctrl-C'd at step 350 (checkpoint at 300) and resumed as the demo
+    resumes (the saved train_config.json and the same budget) on a machine twice as fast,
+    the run keeps the fitted value instead of fitting again. Virtual clock: setup,
+    compiles and evaluations take no time; the fit expects each step to take 5% longer
+    than measured (1 s budget, 0.1 s spent at step 50, at 2.1 ms: 50 + 427 steps)."""
+    clock, schedules = virtual_clock(monkeypatch), []
+    cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
+                             max_steps=200, warmup_steps=L.FIT_STEPS, eval_interval=150,
+                             sample_tokens=0, time_budget_s=1.0)
+    saved = tmp_path / "run" / "train_config.json"
+    if fitted < 350:  # lowered: the run ends before the Ctrl-C
+        steps_taking(monkeypatch, clock, step_s, schedules)
+        summary = T.train(cfg)
+        assert schedules == [200, 200, fitted]
+        assert summary["steps"] == summary["max_steps"] == fitted
+        assert summary["budget_fits"] == [
+            {"step": 50, "from": 200, "to": fitted, "ms_per_step": 1e3 * step_s}]
+        assert json.loads(saved.read_text())["max_steps"] == fitted
+        assert clock[0] <= cfg.time_budget_s
+        return
+    steps_taking(monkeypatch, clock, step_s, schedules, stop_at=350)
+    with pytest.raises(KeyboardInterrupt):
+        T.train(cfg)
+    assert schedules == [200, 200, fitted] and json.loads(saved.read_text())["max_steps"] == fitted
+    clock[0], schedules[:] = 0.0, []
+    steps_taking(monkeypatch, clock, step_s / 2, schedules)
+    resumed = dataclasses.replace(T.base_config(None, cfg.run_dir), time_budget_s=1.0)
+    summary = T.train(resumed)
+    assert schedules == [fitted, fitted] and summary["steps"] == summary["max_steps"] == fitted
+    assert summary["budget_fits"] == []  # resumed at 300, from the checkpoint there:
+    assert [row["step"] for row in report.read_metrics(cfg.run_dir)] == [150, 300, 450, fitted]
+    assert json.loads(saved.read_text())["max_steps"] == fitted
+
+
 def test_a_slow_compile_is_charged_once_not_to_every_step_of_the_next_call(corpus, tmp_path,
                                                                           monkeypatch):
     """Fault (found by a new user): with several steps a call, the budget's guard charged

@@ -62,6 +62,26 @@ def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
     return summary
 
 
+def budget_line(summary: dict) -> str | None:
+    """How the time budget changed the run's step count: each fit of max_steps (raised on a
+    machine faster than the preset assumes, lowered on a slower one, so the learning-rate
+    schedule ends with the run), and a stop before the schedule's end. None when it changed
+    nothing (or the summary predates the fits)."""
+    notes = []
+    for fit in summary.get("budget_fits") or []:
+        why = "raised: the steps were faster than the preset's" if fit["to"] > fit["from"] \
+            else "lowered: the steps were slower than the preset's"
+        notes.append(f"max_steps {fit['from']} -> {fit['to']} at step {fit['step']} "
+                     f"({why}, {fit['ms_per_step']:.1f} ms/step measured)")
+    if summary.get("max_steps", summary["steps"]) > summary["steps"]:
+        why = "the steps got slower than the last fit expected" if notes else \
+            "setup and compiling left too little of it to fit max_steps"
+        notes.append(f"stopped at step {summary['steps']} of {summary['max_steps']} ({why})")
+    if not notes:
+        return None
+    return "time budget: " + "; ".join(notes)
+
+
 def main(argv=None):
     """The main job: corpus, training (skipped when the run finished before), generation."""
     args = parse_args(argv)
@@ -93,3 +113,5 @@ def main(argv=None):
                           + [a for p in PROMPTS for a in ("--prompt", p)])
     phases["generate"] = time.perf_counter() - tick
     print("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
+    if (line := budget_line(summary)) is not None:
+        print(line)  # last, where it is seen: why the run has the steps it has

@@ -2,7 +2,7 @@
 checkpoints and the progress bar.
 
 The run's setup (`training.run_dir`) and its command line (`training.train`) are elsewhere;
-`Loop` starts from a state and a step and trains to max_steps, lowering max_steps to what a
+`Loop` starts from a state and a step and trains to max_steps, fitting max_steps to what a
 time budget holds (`Loop.fit_to_budget`) and stopping when one more call would not fit in it
 (`Loop.out_of_time`). The batch for step s depends only on (seed, s) (`step_batch`), so a
 resumed run sees exactly the data an uninterrupted run would have seen.
@@ -30,10 +30,11 @@ from training.step import TrainState, evaluate
 
 
 # With a time budget, max_steps is fitted to it after the first FIT_STEPS steps (or at the end
-# of the warmup, if sooner and at least FIT_MIN_STEPS measured), each step expected to take
-# FIT_MARGIN longer than the median of the last FIT_STEPS measured (at most one evaluation
-# interval's), and fitted again after each evaluation when the steps have slowed enough to
-# lower it by more than REFIT_SLACK (each fit compiles the step again): `Loop.fit_to_budget`.
+# of the warmup, if sooner and at least FIT_MIN_STEPS measured), raised or lowered, each step
+# expected to take FIT_MARGIN longer than the median of the last FIT_STEPS measured (at most
+# one evaluation interval's), and lowered again after each evaluation when the steps have
+# slowed enough to lower it by more than REFIT_SLACK (each fit compiles the step again):
+# `Loop.fit_to_budget`.
 FIT_STEPS, FIT_MIN_STEPS, FIT_MARGIN, REFIT_SLACK = 50, 5, 0.05, 0.02
 
 
@@ -69,7 +70,8 @@ class Loop:
         self.compile_s, self.fit_times = 0.0, collections.deque(maxlen=FIT_STEPS)
         self.compile_step = None  # the step whose call compiles: the first, the first after a fit
         self.fit_at = None  # the step of the first fit to the budget (None: no fit)
-        # batches placed for a call: as many as its steps can be (fits only lower max_steps)
+        self.fits = []  # each fit that changed max_steps: step, from, to, ms per step measured
+        # batches placed for a call: as many as its steps can be (made again at a fit)
         self.call_size = min(cfg.steps_per_call, cfg.eval_interval, cfg.max_steps)
 
     def run(self, make_step, state: TrainState, start, on_eval) -> TrainState:
@@ -83,9 +85,7 @@ class Loop:
         if cfg.time_budget_s and start < cfg.max_steps:
             self.warm_up(state)
         train_steps = make_step(cfg)
-        self.fit_at = min(cfg.warmup_steps, start + FIT_STEPS)
-        if not (cfg.time_budget_s and self.fit_at - start > FIT_MIN_STEPS):
-            self.fit_at = None  # no budget, or too little warmup left to measure in
+        self.fit_at = self.first_fit_step(start)
         bar = tqdm(initial=start, total=cfg.max_steps, unit="step", file=sys.stdout,
                    mininterval=1.0, disable=not self.primary)
         step = start
@@ -112,6 +112,21 @@ class Loop:
         bar.close()
         return state
 
+    def first_fit_step(self, start: int) -> int | None:
+        """The step after which max_steps is first fitted to the budget: FIT_STEPS in, or
+        the warmup's end when sooner with more than FIT_MIN_STEPS measured. None without a
+        budget, or when the run ends first. A resumed run (`start` > 0) keeps the max_steps
+        it was fitted to (train_config.json): `start` itself, so that it is only lowered,
+        after an evaluation, if the steps got slower."""
+        cfg = self.cfg
+        if not cfg.time_budget_s:
+            return None
+        if start:
+            return start
+        warmup_end = cfg.warmup_steps if cfg.warmup_steps > FIT_MIN_STEPS else FIT_STEPS
+        fit_at = min(FIT_STEPS, warmup_end)
+        return fit_at if fit_at < cfg.max_steps else None
+
     def call_steps(self, step: int) -> int:
         """Steps in the call that starts at `step`: `steps_per_call`, cut at the next
         evaluation, the first fit (`fit_at`) and max_steps, so those come between calls;
@@ -127,26 +142,29 @@ class Loop:
 
     def fit_due(self) -> bool:
         """Whether to fit max_steps to the budget after this call: at `fit_at` (None: no
-        budget, or too short a warmup to measure in), then after each evaluation."""
+        budget, or a run too short to measure in), then after each evaluation."""
         return self.fit_at is not None and (self.step == self.fit_at or (
             self.step > self.fit_at and self.step % self.cfg.eval_interval == 0))
 
     def fit_to_budget(self, bar, first: bool) -> bool:
-        """Lower `max_steps` to the steps the time budget still holds, so that the cosine
-        schedule ends with the run instead of the budget cutting it off at a high learning
-        rate (a budget-aware schedule: Li, Yumer & Ramanan 2020, "Budgeted Training").
-        First called inside the warmup, whose learning rates do not depend on max_steps: the
-        run then equals one started with the lower max_steps (same batches, same updates).
-        Called again after each evaluation, it lowers max_steps once more when the steps
-        have slowed (a machine that got busier): the rest of the cosine is compressed, so
-        the learning rate steps down once, and the schedule still ends within the budget.
-        train_config.json records each value, so a resumed run keeps it. Each step is
-        expected to take the median of the last `FIT_STEPS` (at most the last evaluation
-        interval's: a median over both sides of a slowdown would still be fast) plus
-        `FIT_MARGIN`, each evaluation as long as the last, the recompile as long as the
-        longest call that compiled. Returns whether it changed: past the `first` fit, only
-        by more than `REFIT_SLACK` and with an evaluation interval of steps left (each fit
-        compiles the step again; near the end `out_of_time` stops the run instead)."""
+        """Fit `max_steps` to the steps the time budget still holds, so that the cosine
+        schedule ends with the run: neither cut off by the budget at a high learning rate
+        on a slow machine, nor ended early with the budget unused on a fast one (a
+        budget-aware schedule: Li, Yumer & Ramanan 2020, "Budgeted Training"). The `first`
+        fit raises or lowers it, inside the warmup when the warmup is long enough, whose
+        learning rates do not depend on max_steps: the run then equals one started with the
+        fitted max_steps (same batches, same updates); past the warmup the schedule is
+        made again at the fitted length. Called again after each evaluation, it lowers
+        max_steps once more when the steps have slowed (a machine that got busier): the
+        rest of the cosine is compressed, so the learning rate steps down once, and the
+        schedule still ends within the budget. train_config.json records each value, so a
+        resumed run keeps it. Each step is expected to take the median of the last
+        `FIT_STEPS` (at most the last evaluation interval's: a median over both sides of a
+        slowdown would still be fast) plus `FIT_MARGIN`, each evaluation as long as the
+        last, the recompile as long as the longest call that compiled. Returns whether it
+        changed: past the `first` fit, only lower, by more than `REFIT_SLACK` and with an
+        evaluation interval of steps left (each fit compiles the step again; near the end
+        `out_of_time` stops the run instead)."""
         cfg, now = self.cfg, time.perf_counter()
         recent = list(self.fit_times)[-cfg.eval_interval:]  # at most one interval's
         step_s = float(np.median(recent)) * (1 + FIT_MARGIN)
@@ -159,12 +177,16 @@ class Loop:
             steps = int(multihost_utils.broadcast_one_to_all(np.int64(steps)))
         if not first and steps - self.step < cfg.eval_interval:
             return False  # too few steps left to pay for a recompile: the guard ends the run
-        if steps >= cfg.max_steps * (1 if first else 1 - REFIT_SLACK):
+        if steps == cfg.max_steps or (not first and steps >= cfg.max_steps * (1 - REFIT_SLACK)):
             return False
+        measured_ms = 1e3 * step_s / (1 + FIT_MARGIN)
         self.say(bar, f"time budget of {cfg.time_budget_s:g} s: max_steps {cfg.max_steps} -> "
-                      f"{steps}, so the learning-rate schedule ends within it "
-                      f"({1e3 * step_s / (1 + FIT_MARGIN):.1f} ms/step measured)")
+                      f"{steps} at step {self.step} ({measured_ms:.1f} ms/step measured), "
+                      "so the learning-rate schedule ends with the run")
+        self.fits.append({"step": self.step, "from": cfg.max_steps, "to": steps,
+                          "ms_per_step": round(measured_ms, 2)})
         self.cfg = dataclasses.replace(cfg, max_steps=steps)
+        self.call_size = min(cfg.steps_per_call, cfg.eval_interval, steps)
         self.compile_step, bar.total = self.step, steps
         if self.primary:
             checkpoint.write_json_atomic(Path(cfg.run_dir) / "train_config.json",
@@ -305,7 +327,9 @@ class Loop:
         train_loss (the mean over the steps since the one before, as metrics.jsonl logs it)
         and val losses; train_seconds, the wall time of the steps run, those that compile
         left out (not setup, evaluations or checkpoints), and tokens_per_s over those same
-        steps. With no step run (a finished run resumed), train_loss is null, not NaN."""
+        steps; budget_fits, each change of max_steps by the time budget (`fit_to_budget`:
+        the step it was made at, from, to, and the ms per step it measured). With no step
+        run (a finished run resumed), train_loss is null, not NaN."""
         return {"steps": self.step, "max_steps": self.cfg.max_steps, "train_loss": None,
                 **self.evals, "train_seconds": self.train_seconds,
-                "tokens_per_s": self.tokens_per_s()}
+                "tokens_per_s": self.tokens_per_s(), "budget_fits": self.fits}

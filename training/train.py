@@ -71,7 +71,7 @@ def train(cfg: TrainConfig, *, on_eval=None) -> dict[str, Any]:
 
     A time budget (`cfg.time_budget_s`) counts from this call: setup, compiling, the steps
     and the final evaluation and checkpoint all fit in it (`Loop.out_of_time`), and
-    max_steps is lowered to what fits in it (`Loop.fit_to_budget`).
+    max_steps is raised or lowered to what fits in it (`Loop.fit_to_budget`).
     `on_eval(step, params)` is called after each evaluation; the next step donates those
     params' buffers, so copy them (`jax.device_get`) to keep them.
     """
