@@ -28,9 +28,9 @@ local, the rest is replicated work.
 
 from __future__ import annotations
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -240,12 +240,16 @@ def transformer(params, tokens_T, cache: PagedKVCache, config: GPTConfig, bound=
         return model.transformer(params, tokens_T, cache, config, bound)
     n = mesh.shape[MODEL]
     pools = tuple(P(None, MODEL, None) for _ in cache.k)
+    # a Python int bound stays static (a fixed loop); a traced one is an argument
+    traced = () if isinstance(bound, int) else (cache.lengths if bound is None else bound,)
 
-    def body(params, tokens_T, cache, bound):
+    def body(params, tokens_T, cache, *traced):
         local_params, local_config = _local(params, config, n)
-        return model.transformer(local_params, tokens_T, cache, local_config, bound)
+        return model.transformer(local_params, tokens_T, cache, local_config,
+                                 traced[0] if traced else bound)
 
-    bound = cache.lengths if bound is None else bound
-    return jax.shard_map(body, mesh=mesh, check_vma=False,
-                         in_specs=(param_specs(params, n), P(), cache_specs(cache), P()),
-                         out_specs=(P(), (pools, pools)))(params, tokens_T, cache, bound)
+    # check_vma off: the hidden states are replicated by construction (every row-split
+    # product is psummed), and the kernels' custom calls then need no replication rules
+    specs = (param_specs(params, n), P(), cache_specs(cache)) + (P(),) * len(traced)
+    return jax.shard_map(body, mesh=mesh, check_vma=False, in_specs=specs,
+                         out_specs=(P(), (pools, pools)))(params, tokens_T, cache, *traced)

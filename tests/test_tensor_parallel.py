@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from test_hf_dirs import hf_dir  # noqa: F401 (a fixture)
+
 REPO = Path(__file__).resolve().parents[1]
 N_DEVICES = 4
 
@@ -32,7 +34,7 @@ def results():
            "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     out = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=900)
+                         text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -73,10 +75,54 @@ def test_each_device_holds_its_share_of_the_kv_pools(results, model):
 def test_the_decode_program_all_reduces_activations_and_gathers_no_weight(results):
     hlo = results["hlo"]
     assert hlo["all-gather"] == [] and hlo["all-to-all"] == []
-    # two [rows, 1, D] all-reduces per layer in the step (tiny-llama: 2 layers, D 32), one
-    # of the sampled token's logits row nowhere: the output projection is replicated
-    assert hlo["all-reduce"] == ["f32[4,1,32]"] * 4
+    # two [rows, 1, D] all-reduces per layer per step (tiny-llama: 2 layers, D 32; 2 rows);
+    # the embeddings and output projection are replicated, so no logits move
+    assert hlo["all-reduce"] == ["f32[2,1,32]"] * 4
     assert hlo["kernels"]["gpt_jax_paged_decode_attention"] == 2  # per layer, per shard
+
+
+def test_serve_tensor_parallel_answers_as_one_device_and_reports_its_mesh(hf_dir):
+    """`gpt-jax serve --tensor-parallel 2` (a subprocess; the CPU host split into 2 devices):
+    a greedy completion is the one-device `LLM.from_pretrained` text, and /metrics reports
+    the mesh and half the KV pool bytes per device (2 kv heads, one per device)."""
+    import httpx2 as httpx
+    from prometheus_client.utils import floatToGoString
+
+    from conftest import free_port
+    from inference import LLM, SamplingParams
+    from test_hf_dirs import NEW_TOKENS, TEXTS
+
+    path, _ = hf_dir
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpt_jax.cli", "serve", "--hf-checkpoint", str(path), "--port",
+         str(port), "--max-slots", "2", "--no-warmup", "--tensor-parallel", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        printed = ""
+        for line in proc.stdout:  # until it listens with the model loaded
+            printed += line
+            if " ready on " in line:
+                break
+        assert " ready on " in printed, printed
+        body = {"model": path.name, "prompt": TEXTS[0], "max_tokens": NEW_TOKENS,
+                "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        llm = LLM.from_pretrained(path)
+        (expected,) = llm.generate([TEXTS[0]], SamplingParams(temperature=0.0,
+                                                              max_new_tokens=NEW_TOKENS),
+                                   progress=False)
+        assert r.json()["choices"][0]["text"] == expected.text
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        one = llm.engine(2).stats()["mesh"]["kv_cache_bytes_per_device"]
+        for line in ('gpt_jax:mesh_axis_size{axis="model"} 2.0', "gpt_jax:mesh_devices 2.0",
+                     f"gpt_jax:kv_cache_bytes_per_device {floatToGoString(one // 2)}"):
+            assert line in metrics, metrics
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 # ---------------------------------------------------------------- the subprocess
@@ -133,7 +179,7 @@ def _logits(params, config, mesh):
 
 def _engine_requests():
     """Greedy and seeded requests, one with n = 2, two sharing two pages of prompt: on a
-    pool of 12 pages of 4 slots for 4 slots some are preempted."""
+    pool of 8 pages of 4 slots for 2 slots some are preempted."""
     from inference import SamplingParams
 
     shared = [5, 9, 2, 7, 1, 3, 8, 6]
@@ -153,7 +199,7 @@ def _engine_run(params, config, mesh, requests):
     from inference import Engine
     from test_engine import run_engine
 
-    engine = Engine(params, config, max_slots=4, num_pages=12, page_size=4, mesh=mesh)
+    engine = Engine(params, config, max_slots=2, num_pages=8, page_size=4, mesh=mesh)
     finals = run_engine(engine, requests, np.random.default_rng(2))
     tokens = {f"{r}/{k}": out.token_ids for (r, k), out in sorted(finals.items())}
     return tokens, engine
