@@ -79,6 +79,15 @@ def check_mesh(mesh, config: GPTConfig) -> None:
             f"(a divisor: kv heads are replicated); choose a model axis that fits")
 
 
+def sharded_config(config: GPTConfig, mesh: Mesh | None) -> GPTConfig:
+    """The config of the model `shard_params` places on `mesh`: `config` with its kv heads
+    replicated where the model axis needs it (`replicate_kv_heads`); `config` for None.
+    Raises ValueError as `check_mesh`."""
+    check_mesh(mesh, config)
+    r = kv_replicas(config, model_size(mesh))
+    return config if r == 1 else config.replace(n_kv_heads=config.kv_heads * r)
+
+
 def kv_replicas(config: GPTConfig, n: int) -> int:
     """How many copies of each kv head n devices hold (1 when K is a multiple of n)."""
     return 1 if config.kv_heads % n == 0 else n // config.kv_heads

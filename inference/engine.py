@@ -104,20 +104,21 @@ class Engine:
       max_prefill_tokens: most prompt tokens prefilled per step (the call's budget): rows x
         padded length of the call, filled with several prompts' chunks
         (`Scheduler.prefill_work`).
-      mesh: a `jax.sharding.Mesh` with a "model" axis: weights and KV pages split over it
-        (`gpt_jax.tensor_parallel`), the same tokens as on one device; `stats()["mesh"]`.
       prefill_chunk_tokens: most tokens of one prompt per prefill step (vLLM's
         long_prefill_token_threshold). A prefill step stalls the running requests once:
         smaller chunks bound the stall a long prompt causes, while a larger call budget
         admits short arriving prompts two at a time (the defaults' measurements:
         benchmarks/README.md, "Serving").
+      mesh: a `jax.sharding.Mesh` with a "model" axis: weights and KV pages split over it
+        (`gpt_jax.tensor_parallel`), the same tokens as on one device; `stats()["mesh"]`.
     Raises:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
         tokenizer without encode/decode, another cache dtype, a quantize other than None or
         `gpt_jax.params.QUANTIZE`, a page_size above config.max_seq_len (and 16), params
-        that do not match `config`, or a mesh they do not fit (`tensor_parallel.check_mesh`). (A pool too small for some request is found per
-        request, by add_request.)
+        that do not match `config`, or a mesh they do not fit
+        (`gpt_jax.tensor_parallel.check_mesh`). (A pool too small for some request is found
+        per request, by add_request.)
     """
 
     def __init__(self, params, config: GPTConfig, tokenizer=None, *, max_slots: int = 16,
@@ -152,13 +153,14 @@ class Engine:
         if page_size > max(config.max_seq_len, PAGE_SIZE):  # a page past the context
             raise ValueError(f"Engine page_size must be at most the model's max_seq_len "
                              f"{config.max_seq_len} (or {PAGE_SIZE}), got {page_size}")
-        self.params = inference_params(params, config, dtype, quantize)
-        self.mesh = mesh
-        if mesh is not None:  # Megatron-style, kv heads replicated where they must be
-            self.params, config = tensor_parallel.shard_params(self.params, config, mesh)
+        self.mesh, model_config = mesh, config
+        config = tensor_parallel.sharded_config(config, mesh)  # kv heads it replicates
         max_pages = kv.pages_for(config.max_seq_len, page_size)
         num_pages = _pool_pages(config, max_slots * max_pages, num_pages, kv_cache_bytes,
                                 page_size, dtype)
+        self.params = inference_params(params, model_config, dtype, quantize)
+        if mesh is not None:  # Megatron-style
+            self.params, _ = tensor_parallel.shard_params(self.params, model_config, mesh)
         self.config, self.tokenizer, self.cache_dtype = config, tokenizer, dtype
         self.max_slots, self.num_pages, self.page_size = max_slots, num_pages, page_size
         self.max_pages = max_pages
