@@ -15,6 +15,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Callable
 
+import jax
 import uvicorn
 
 from gpt_jax import tensor_parallel
@@ -23,7 +24,6 @@ from inference.chat import ChatTemplate
 from inference.engine import Engine
 from inference.load import add_model_args, load_model
 from inference.server import ServerConfig, create_app
-from training.sharding import split_host_cpu
 
 
 def parse_origins(values: list[str] | None) -> tuple[str, ...]:
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     cfg.chat_template = _chat_template(args.chat_template, source)
     sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
     if args.tensor_parallel > 1:  # a CPU host as N devices (before JAX starts; only CPU's)
-        split_host_cpu(args.tensor_parallel)
+        jax.config.update("jax_num_cpu_devices", args.tensor_parallel)
     engine, cfg.eos_token_ids = _engine(args, source)
 
     def load() -> Engine:
