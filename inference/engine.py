@@ -13,6 +13,7 @@ compiled.
 from __future__ import annotations
 
 import collections
+import contextlib
 import numbers
 import secrets
 
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax import cache as kv
+from gpt_jax import tensor_parallel
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import inference_params
 from inference import stopping
@@ -107,20 +109,23 @@ class Engine:
         smaller chunks bound the stall a long prompt causes, while a larger call budget
         admits short arriving prompts two at a time (the defaults' measurements:
         benchmarks/README.md, "Serving").
+      mesh: a `jax.sharding.Mesh` with a "model" axis: weights and KV pages split over it
+        (`gpt_jax.tensor_parallel`), the same tokens as on one device; `stats()["mesh"]`.
     Raises:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
         tokenizer without encode/decode, another cache dtype, a quantize other than None or
-        `gpt_jax.params.QUANTIZE`, a page_size above config.max_seq_len (and 16), or params
-        that do not match `config`. (A pool too small for some request is found per
-        request, by add_request.)
+        `gpt_jax.params.QUANTIZE`, a page_size above config.max_seq_len (and 16), params
+        that do not match `config`, or a mesh they do not fit
+        (`gpt_jax.tensor_parallel.check_mesh`). (A pool too small for some request is found
+        per request, by add_request.)
     """
 
     def __init__(self, params, config: GPTConfig, tokenizer=None, *, max_slots: int = 16,
                  num_pages: int | None = None, kv_cache_bytes: int | None = None,
                  page_size: int = PAGE_SIZE, cache_dtype="float32", prefix_caching: bool = True,
                  max_prefill_tokens: int = 128, prefill_chunk_tokens: int = 64,
-                 quantize: str | None = None):
+                 quantize: str | None = None, mesh=None):
         sizes = dict(max_slots=max_slots, page_size=page_size,
                      max_prefill_tokens=max_prefill_tokens,
                      prefill_chunk_tokens=prefill_chunk_tokens, num_pages=num_pages,
@@ -148,10 +153,14 @@ class Engine:
         if page_size > max(config.max_seq_len, PAGE_SIZE):  # a page past the context
             raise ValueError(f"Engine page_size must be at most the model's max_seq_len "
                              f"{config.max_seq_len} (or {PAGE_SIZE}), got {page_size}")
+        self.mesh, model_config = mesh, config
+        config = tensor_parallel.sharded_config(config, mesh)  # kv heads it replicates
         max_pages = kv.pages_for(config.max_seq_len, page_size)
         num_pages = _pool_pages(config, max_slots * max_pages, num_pages, kv_cache_bytes,
                                 page_size, dtype)
-        self.params = inference_params(params, config, dtype, quantize)
+        self.params = inference_params(params, model_config, dtype, quantize)
+        if mesh is not None:  # Megatron-style
+            self.params, _ = tensor_parallel.shard_params(self.params, model_config, mesh)
         self.config, self.tokenizer, self.cache_dtype = config, tokenizer, dtype
         self.max_slots, self.num_pages, self.page_size = max_slots, num_pages, page_size
         self.max_pages = max_pages
@@ -170,6 +179,8 @@ class Engine:
             stopping.StopArrays.from_lists([0] * B, [()] * B, [()] * B, self.widths),
             jnp.zeros((B, C), jnp.int32), n_steps=max(C, CHUNK),
             n_top=min(MAX_LOGPROBS, config.vocab_size))
+        if mesh is not None:
+            self.state = tensor_parallel.replicate(self.state, mesh)
         # ids of finished requests (aborting one does nothing), the latest FINISHED_IDS kept
         self.finished_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.finished_at_once: list[Sequence] = []  # max_new_tokens = 0: output next step
@@ -262,6 +273,10 @@ class Engine:
         engine holds requests."""
         if self.scheduler.requests:
             raise RuntimeError("warm the Engine up before adding requests")
+        with self.on_mesh():
+            return self._warmup(crop)
+
+    def _warmup(self, crop: bool) -> int:
         before = sum(compile_counts().values())
         V, recent_width = self.config.vocab_size, self.state.recent.shape[1]
         rows, stops = self._row_arrays()
@@ -299,8 +314,8 @@ class Engine:
     def stats(self) -> dict:
         """Counters: pages (total, free, in use, cached), slots, queue lengths, preemptions,
         prefix cache hits (pages reused instead of prefilled: from the prefix cache, and,
-        with caching on or off, between the n samples of one request) and prefilled tokens
-        (tokens run through prefill)."""
+        with caching on or off, between the n samples of one request), prefilled tokens
+        (tokens run through prefill) and the mesh (`gpt_jax.tensor_parallel.mesh_stats`)."""
         s = self.scheduler
         return {"total_pages": self.num_pages, "free_pages": s.pool.num_free(),
                 "pages_in_use": self.num_pages - s.pool.num_free(),
@@ -308,7 +323,13 @@ class Engine:
                 "running": sum(q.status == Status.RUNNING for q in s.active),
                 "prefilling": sum(q.status == Status.PREFILLING for q in s.active),
                 "waiting": len(s.waiting), "preemptions": s.preemptions,
-                "prefix_cache_hits": s.prefix_cache_hits, "prefilled_tokens": s.prefilled_tokens}
+                "prefix_cache_hits": s.prefix_cache_hits, "prefilled_tokens": s.prefilled_tokens,
+                "mesh": tensor_parallel.mesh_stats(self.mesh, self.config, self.num_pages,
+                                                   self.page_size, self.cache_dtype)}
+
+    def on_mesh(self):
+        """The context the engine's programs are traced and run in: its mesh, if any."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     # ------------------------------------------------------------------ one iteration
 
@@ -321,10 +342,11 @@ class Engine:
         outputs = [self._output(seq) for seq in self.finished_at_once]  # max_new_tokens = 0
         self.finished_at_once.clear()
         plan = self.scheduler.schedule()
-        if plan.prefill:
-            self._prefill(plan.prefill)
-        elif plan.decode:
-            self._decode(plan.decode)
+        with self.on_mesh():
+            if plan.prefill:
+                self._prefill(plan.prefill)
+            elif plan.decode:
+                self._decode(plan.decode)
         sampled = plan.sampled
         results = self._results(sampled) if plan.runs else []
         old = [len(seq.output) for seq in sampled]

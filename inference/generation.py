@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt_jax import tensor_parallel
 from gpt_jax.config import GPTConfig
-from gpt_jax.params import Params
-from gpt_jax.params import check_params
+from gpt_jax.params import Params, check_params, decode_layout
 from inference import stopping
 from inference.decode import (CHUNK, DecodeState, decode_loop, init_state, prompt_seen,
                               prompt_window, sample_and_record)
@@ -227,7 +227,7 @@ def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_
 
 
 def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_token_id=None,
-             pad_id: int = 0, cache_dtype=jnp.float32) -> list[Completion]:
+             pad_id: int = 0, cache_dtype=jnp.float32, mesh=None) -> list[Completion]:
     """Generate from a batch of token-id prompts with a KV cache, in one compiled program.
 
     Args:
@@ -242,11 +242,21 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
       bos_token_id: an empty prompt starts from this token; without it an empty prompt
         raises ValueError (unless its max_new_tokens is 0, which returns []).
       pad_id: the token recorded after a row has finished.
+      mesh: a `jax.sharding.Mesh` with a "model" axis: the program runs tensor-parallel
+        over it (`gpt_jax.tensor_parallel`; the same tokens as on one device).
     Returns:
       One Completion per prompt and sample, in input order.
     Raises:
-      ValueError: before anything is compiled, for any invalid request (see `validate`) or
-        params whose shapes do not match `config` (see `gpt_jax.params.check_params`).
+      ValueError: before anything is compiled, for any invalid request (see `validate`),
+        params whose shapes do not match `config` (see `gpt_jax.params.check_params`), or
+        a mesh the model's heads do not fit (`gpt_jax.tensor_parallel.check_mesh`).
     """
+    if mesh is not None:
+        check_params(params, config)
+        params, config = tensor_parallel.shard_params(jax.jit(decode_layout)(params), config,
+                                                      mesh)
+        with jax.set_mesh(mesh):
+            return generate(params, config, prompts, sampling, bos_token_id=bos_token_id,
+                            pad_id=pad_id, cache_dtype=cache_dtype)
     return run(params, config, prompts, sampling, model_fns=cached_model,
                bos_token_id=bos_token_id, pad_id=pad_id, cache_dtype=cache_dtype)

@@ -35,7 +35,7 @@ from typing import Iterator
 
 import jax.numpy as jnp
 
-from gpt_jax import checkpoint
+from gpt_jax import checkpoint, tensor_parallel
 from gpt_jax.params import inference_params
 from inference.chat import HOW_TO_SUPPLY, ChatTemplate, NoChatTemplate, token_ids
 from inference.engine import Engine
@@ -105,16 +105,18 @@ class LLM:
     `chat_template` (a `ChatTemplate` or Jinja text) is what `chat` renders conversations
     with. `eos_token_ids` (a Hugging Face directory's, `from_pretrained`) end every
     generation that samples one (finish reason "eos"), beside each request's own.
+    `mesh` (a `jax.sharding.Mesh` with a "model" axis) runs its engines tensor-parallel
+    over it (`inference.Engine`, `gpt_jax.tensor_parallel`).
 
     Raises:
       ValueError: a dtype other than `DTYPES`, a quantize other than None or
-        `gpt_jax.params.QUANTIZE`, or params whose shapes do not match `config`
-        (`gpt_jax.params.check_params`).
+        `gpt_jax.params.QUANTIZE`, params whose shapes do not match `config`
+        (`gpt_jax.params.check_params`), or a mesh they do not fit.
     """
 
     def __init__(self, params, config, tokenizer, dtype="float32", quantize: str | None = None,
                  chat_template: ChatTemplate | str | None = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), mesh=None):
         try:
             name = jnp.dtype(dtype).name  # "bfloat16" and jnp.bfloat16 alike
         except TypeError:
@@ -130,6 +132,8 @@ class LLM:
         self.chat_template = (ChatTemplate(chat_template) if isinstance(chat_template, str)
                               else chat_template)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.mesh = mesh
+        tensor_parallel.check_mesh(mesh, config)
         self._engines: dict[int, Engine] = {}  # by max_slots
 
     def engine(self, max_slots: int) -> Engine:
@@ -137,22 +141,22 @@ class LLM:
         if max_slots not in self._engines:
             self._engines[max_slots] = Engine(
                 self.params, self.config, self.tokenizer, max_slots=max_slots,
-                cache_dtype=self.cache_dtype, quantize=self.quantize)
+                cache_dtype=self.cache_dtype, quantize=self.quantize, mesh=self.mesh)
         return self._engines[max_slots]
 
     @classmethod
     def from_checkpoint(cls, run_dir, step: int | None = None, dtype="float32",
-                        quantize: str | None = None, chat_template=None) -> LLM:
+                        quantize: str | None = None, chat_template=None, mesh=None) -> LLM:
         """Load the latest (or given) checkpoint of a training run directory (see `LLM` for
         `dtype` and `quantize`). `chat_template`: a template file; None takes the run
         directory's, if it has one (`ChatTemplate.load`)."""
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
         template = ChatTemplate.load(run_dir, chat_template)
-        return cls(params, config, tokenizer, dtype, quantize, template)
+        return cls(params, config, tokenizer, dtype, quantize, template, mesh=mesh)
 
     @classmethod
     def from_pretrained(cls, hf_dir, dtype="float32", quantize: str | None = None,
-                        chat_template=None) -> LLM:
+                        chat_template=None, mesh=None) -> LLM:
         """Load a Hugging Face directory of any family `gpt_jax.load_hf` reads, with its
         tokenizer (`gpt_jax.hf.load_hf_tokenizer`; None when it has none: token-id prompts
         only), every EOS id of config.json and generation_config.json, and its chat template
@@ -163,7 +167,7 @@ class LLM:
         config, params = load_hf(hf_dir)
         template = ChatTemplate.load(hf_dir, chat_template)
         return cls(params, config, load_hf_tokenizer(hf_dir), dtype, quantize, template,
-                   load_hf_eos_token_ids(hf_dir))
+                   load_hf_eos_token_ids(hf_dir), mesh=mesh)
 
     def _encode(self, prompts) -> list[list[int]]:
         """Token ids of each text prompt. Raises TypeError for a bare string (which would

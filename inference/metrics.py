@@ -24,6 +24,12 @@ class Metrics:
         self.pages_used = g("kv_pages_used", "KV cache pages in use")
         self.pages_free = g("kv_pages_free", "KV cache pages free")
         self.pages_total = g("kv_pages_total", "KV cache pages in the pool")
+        self.mesh_axis = prom.Gauge("gpt_jax:mesh_axis_size", "devices along each axis of "
+                                    "the engine's mesh (tensor parallelism: model)", ["axis"],
+                                    registry=r)
+        self.mesh_devices = g("mesh_devices", "devices the engine runs on")
+        self.kv_bytes_per_device = g("kv_cache_bytes_per_device",
+                                     "bytes of the KV page pools each device holds")
         self.hit_rate = g("prefix_cache_hit_rate",
                           "prompt tokens reused from cached pages / prompt tokens, since start")
         self.recent: list[tuple[float, int]] = []  # (time, tokens) of each step, last 10 s
@@ -49,6 +55,11 @@ class Metrics:
         self.pages_used.set(stats["pages_in_use"])
         self.pages_free.set(stats["free_pages"])
         self.pages_total.set(stats["total_pages"])
+        mesh = stats["mesh"]
+        for axis, size in mesh["axes"].items():
+            self.mesh_axis.labels(axis).set(size)
+        self.mesh_devices.set(mesh["devices"])
+        self.kv_bytes_per_device.set(mesh["kv_cache_bytes_per_device"])
         reused = stats["prefix_cache_hits"] * page_size
         self.hit_rate.set(reused / max(1, reused + stats["prefilled_tokens"]))
         self.generation_tokens.inc(new_tokens)

@@ -15,8 +15,10 @@ import urllib.parse
 from pathlib import Path
 from typing import Callable
 
+import jax
 import uvicorn
 
+from gpt_jax import tensor_parallel
 from inference import server
 from inference.chat import ChatTemplate
 from inference.engine import Engine
@@ -64,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template for /v1/chat/completions (default: the model "
                         "directory's chat_template.jinja or tokenizer_config.json's)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N devices (tensor parallelism: heads and MLP "
+                        "width per device, KV pages by kv head; on CPU the host is split into "
+                        "N devices)")
     p.add_argument("--no-warmup", action="store_true",
                    help="compile each program on first use instead of before serving")
     return p.parse_args(argv)
@@ -74,7 +80,7 @@ def main(argv=None) -> None:
     app served until SIGTERM or Ctrl-C."""
     args = parse_args(argv)
     for name, low, high in (("max_slots", 1, None), ("max_queue", 0, None),
-                            ("port", 1, 65535)):
+                            ("port", 1, 65535), ("tensor_parallel", 1, None)):
         value = getattr(args, name)
         if value < low or (high is not None and value > high):
             allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
@@ -92,6 +98,8 @@ def main(argv=None) -> None:
                        shutdown_timeout=args.shutdown_timeout, allowed_origins=origins)
     cfg.chat_template = _chat_template(args.chat_template, source)
     sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
+    if args.tensor_parallel > 1:  # a CPU host as N devices (before JAX starts; only CPU's)
+        jax.config.update("jax_num_cpu_devices", args.tensor_parallel)
     engine, cfg.eos_token_ids = _engine(args, source)
 
     def load() -> Engine:
@@ -139,9 +147,15 @@ def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, tuple[int, 
             raise ValueError(f"{source} has no tokenizer")
         return Engine(params, config, tokenizer, max_slots=args.max_slots,
                       kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
-                      quantize=args.quantize), eos
+                      quantize=args.quantize, mesh=_mesh(args.tensor_parallel)), eos
     except (OSError, ValueError) as error:
         raise SystemExit(f"gpt-jax serve: {error}") from error
+
+
+def _mesh(n: int):
+    """The --tensor-parallel mesh over the first n devices (None for 1). Raises ValueError
+    when there are fewer."""
+    return None if n == 1 else tensor_parallel.make_mesh(n)
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -30,8 +30,9 @@ import jax.numpy as jnp
 from gpt_jax import cache as kv
 from gpt_jax.cache import CACHE_ROW_AXES, PagedKVCache
 from gpt_jax.config import GPTConfig
-from gpt_jax.model import forward_last, lm_head, transformer
+from gpt_jax.model import forward_last, lm_head
 from gpt_jax.params import Params, decode_layout
+from gpt_jax.tensor_parallel import constrain_cache, transformer
 
 PAGE_SIZE = 16  # token slots per KV page, unless a caller chooses another
 
@@ -72,7 +73,7 @@ def run_rows(row_fn, params, cache: PagedKVCache, tokens, n_valid_B, *batched, s
     in_axes = (None, 0) + (0,) * len(batched) + (CACHE_ROW_AXES, None)
     logits, (k_LBTKH, v_LBTKH) = jax.vmap(row_fn, in_axes=in_axes)(
         params, tokens, *batched, rows, rows.lengths.max())
-    rows = kv.write(rows, k_LBTKH, v_LBTKH, n_valid_B, after=logits)
+    rows = constrain_cache(kv.write(rows, k_LBTKH, v_LBTKH, n_valid_B, after=logits))
     return logits, (rows if slots is None else _merge(cache, slots, rows))
 
 
