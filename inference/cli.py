@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax.cache import cache_bytes, pages_for
+from inference import compile_cache
 from inference.errors import RequestError
 from inference.generation import generate, pack, validate
 from inference.llm import LLM, with_stop_ids
@@ -78,6 +79,7 @@ def parse_args(argv=None):
                         "refuse the request")
     p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
     p.add_argument("--report", action="store_true", help="print timing and KV cache size")
+    compile_cache.add_flag(p)
     return p.parse_args(argv)
 
 
@@ -223,8 +225,10 @@ def load_llm(args) -> LLM:
     if args.prompt and args.prompt_ids:
         raise SystemExit("gpt-jax generate: give --prompt or --prompt-ids, not both")
     if not args.hf_checkpoint:
-        return LLM.from_checkpoint(args.run_dir, dtype=args.dtype, quantize=args.quantize)
-    llm = LLM.from_pretrained(args.hf_checkpoint, dtype=args.dtype, quantize=args.quantize)
+        return LLM.from_checkpoint(args.run_dir, dtype=args.dtype, quantize=args.quantize,
+                                   compile_cache=not args.no_compile_cache)
+    llm = LLM.from_pretrained(args.hf_checkpoint, dtype=args.dtype, quantize=args.quantize,
+                              compile_cache=not args.no_compile_cache)
     if llm.tokenizer is None and not args.prompt_ids:
         raise SystemExit(f"gpt-jax generate: {args.hf_checkpoint} has no tokenizer "
                          f"(tokenizer.json, or vocab.json + merges.txt); pass --prompt-ids")

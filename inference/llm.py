@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from gpt_jax import checkpoint
 from gpt_jax.params import inference_params
+from inference import compile_cache as compile_cache_module
 from inference.chat import HOW_TO_SUPPLY, ChatTemplate, NoChatTemplate, token_ids
 from inference.engine import Engine
 from inference.generation import validate
@@ -102,6 +103,8 @@ class LLM:
     `chat_template` (a `ChatTemplate` or Jinja text) is what `chat` renders conversations
     with. `eos_token_ids` (a Hugging Face directory's, `from_pretrained`) end every
     generation that samples one (finish reason "eos"), beside each request's own.
+    `compile_cache` (default on) keeps the compiled programs on disk for the next process
+    (`inference.compile_cache.enable`).
 
     Raises:
       ValueError: a dtype other than `DTYPES`, a quantize other than None or
@@ -111,7 +114,9 @@ class LLM:
 
     def __init__(self, params, config, tokenizer, dtype="float32", quantize: str | None = None,
                  chat_template: ChatTemplate | str | None = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), compile_cache: bool = True):
+        if compile_cache:  # before the first compile (inference_params')
+            compile_cache_module.enable()
         try:
             name = jnp.dtype(dtype).name  # "bfloat16" and jnp.bfloat16 alike
         except TypeError:
@@ -139,18 +144,20 @@ class LLM:
 
     @classmethod
     def from_checkpoint(cls, run_dir, step: int | None = None, dtype="float32",
-                        quantize: str | None = None, chat_template=None) -> LLM:
+                        quantize: str | None = None, chat_template=None,
+                        compile_cache: bool = True) -> LLM:
         """Load the latest (or given) checkpoint of a training run directory (see `LLM` for
-        `dtype` and `quantize`). `chat_template`: a template file; None takes the run
-        directory's (`ChatTemplate.from_dir`), if it has one."""
+        `dtype`, `quantize` and `compile_cache`). `chat_template`: a template file; None takes
+        the run directory's (`ChatTemplate.from_dir`), if it has one."""
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
         template = (ChatTemplate.from_dir(run_dir) if chat_template is None
                     else ChatTemplate.from_file(chat_template))
-        return cls(params, config, tokenizer, dtype, quantize, template)
+        return cls(params, config, tokenizer, dtype, quantize, template,
+                   compile_cache=compile_cache)
 
     @classmethod
     def from_pretrained(cls, hf_dir, dtype="float32", quantize: str | None = None,
-                        chat_template=None) -> LLM:
+                        chat_template=None, compile_cache: bool = True) -> LLM:
         """Load a Hugging Face directory of any family `gpt_jax.load_hf` reads, with its
         tokenizer (`gpt_jax.hf.load_hf_tokenizer`; None when it has none: token-id prompts
         only), every EOS id of config.json and generation_config.json, and its chat template
@@ -161,7 +168,7 @@ class LLM:
         template = (ChatTemplate.from_dir(hf_dir) if chat_template is None
                     else ChatTemplate.from_file(chat_template))
         return cls(params, config, load_hf_tokenizer(hf_dir), dtype, quantize, template,
-                   load_hf_eos_token_ids(hf_dir))
+                   load_hf_eos_token_ids(hf_dir), compile_cache)
 
     def _encode(self, prompts) -> list[list[int]]:
         """Token ids of each text prompt. Raises TypeError for a bare string (which would

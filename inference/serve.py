@@ -17,7 +17,7 @@ from typing import Callable
 
 import uvicorn
 
-from inference import server
+from inference import compile_cache, server
 from inference.chat import ChatTemplate
 from inference.engine import Engine
 from inference.load import add_model_args, load_model
@@ -66,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "directory's chat_template.jinja or tokenizer_config.json's)")
     p.add_argument("--no-warmup", action="store_true",
                    help="compile each program on first use instead of before serving")
+    compile_cache.add_flag(p)
     return p.parse_args(argv)
 
 
@@ -92,6 +93,8 @@ def main(argv=None) -> None:
                        shutdown_timeout=args.shutdown_timeout, allowed_origins=origins)
     cfg.chat_template = _chat_template(args.chat_template, source)
     sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
+    if not args.no_compile_cache:
+        compile_cache.enable()
     engine, cfg.eos_token_ids = _engine(args, source)
 
     def load() -> Engine:
@@ -99,10 +102,12 @@ def main(argv=None) -> None:
         if not args.no_warmup:
             print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} slots); "
                   "/health answers 503 until they are ready", flush=True)
-            tick = time.monotonic()
-            compiled = engine.warmup()
-            print(f"gpt-jax serve: {compiled} programs compiled in "
-                  f"{time.monotonic() - tick:.0f} s", flush=True)
+            tick, before = time.monotonic(), compile_cache.programs()
+            engine.warmup()
+            after = compile_cache.programs()
+            print(f"gpt-jax serve: {after.loaded - before.loaded} programs loaded from cache, "
+                  f"{after.compiled - before.compiled} compiled in "
+                  f"{time.monotonic() - tick:.1f} s", flush=True)
         return engine
 
     listening = threading.Event()
