@@ -21,6 +21,10 @@ every later start would compile it again. `discard_corrupt` checks each entry wr
 the last check once, at `enable`, and removes a broken one with a warning: the program is
 compiled and stored anew. Nothing here raises for a bad entry.
 
+`serve` and `LLM` also keep the engine's prefill and decode programs as `jax.export`
+artifacts in the key directory's `exported/` (`inference.exported`): a warm start then
+deserializes them instead of tracing the engine's Python, which the cache alone still does.
+
 `programs()` counts, for the whole process, the programs XLA compiled and those loaded from
 the cache (JAX's monitoring events), for the server's log line and /metrics.
 
@@ -71,14 +75,15 @@ def key_dir(base: Path) -> Path:
     return base / f"jax-{jax.__version__}-{digest.hexdigest()[:16]}"
 
 
-def enable(base: Path | str | None = None) -> Path:
+def enable(base: Path | str | None = None) -> Path | None:
     """Turn the persistent compilation cache on in `key_dir(base)` (default `base_dir()`),
     every program cached however quickly it compiled, after removing broken entries
     (`discard_corrupt`). A process whose JAX already has a cache directory keeps it. Call it
-    before the first compile. Returns the directory in use."""
+    before the first compile. Returns the key directory (where `inference.exported` keeps
+    its artifacts too), or None when the process had a cache directory already."""
     current = jax.config.jax_compilation_cache_dir
     if current:
-        return Path(current)
+        return Path(current) if current == _enabled.get("dir") else None
     directory = key_dir(Path(base) if base is not None else base_dir())
     directory.mkdir(parents=True, exist_ok=True)
     discard_corrupt(directory)
@@ -86,7 +91,11 @@ def enable(base: Path | str | None = None) -> Path:
     # the engine's small programs too: a start is then free of compiles, not nearly free
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _enabled["dir"] = str(directory)
     return directory
+
+
+_enabled: dict[str, str] = {}  # "dir": the directory `enable` turned on in this process
 
 
 def discard_corrupt(directory: Path) -> list[str]:

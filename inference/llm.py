@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from gpt_jax import checkpoint
 from gpt_jax.params import inference_params
 from inference import compile_cache as compile_cache_module
+from inference import exported
 from inference.chat import HOW_TO_SUPPLY, ChatTemplate, NoChatTemplate, token_ids
 from inference.engine import Engine
 from inference.generation import validate
@@ -115,8 +116,8 @@ class LLM:
     def __init__(self, params, config, tokenizer, dtype="float32", quantize: str | None = None,
                  chat_template: ChatTemplate | str | None = None,
                  eos_token_ids: tuple[int, ...] = (), compile_cache: bool = True):
-        if compile_cache:  # before the first compile (inference_params')
-            compile_cache_module.enable()
+        # before the first compile (inference_params'); the engines' programs exported there
+        self.compile_dir = compile_cache_module.enable() if compile_cache else None
         try:
             name = jnp.dtype(dtype).name  # "bfloat16" and jnp.bfloat16 alike
         except TypeError:
@@ -140,6 +141,8 @@ class LLM:
             self._engines[max_slots] = Engine(
                 self.params, self.config, self.tokenizer, max_slots=max_slots,
                 cache_dtype=self.cache_dtype, quantize=self.quantize)
+            if self.compile_dir is not None:
+                exported.attach(self._engines[max_slots], self.compile_dir / "exported")
         return self._engines[max_slots]
 
     @classmethod

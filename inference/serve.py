@@ -17,7 +17,7 @@ from typing import Callable
 
 import uvicorn
 
-from inference import compile_cache, server
+from inference import compile_cache, exported, server
 from inference.chat import ChatTemplate
 from inference.engine import Engine
 from inference.load import add_model_args, load_model
@@ -93,9 +93,9 @@ def main(argv=None) -> None:
                        shutdown_timeout=args.shutdown_timeout, allowed_origins=origins)
     cfg.chat_template = _chat_template(args.chat_template, source)
     sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
-    if not args.no_compile_cache:
-        compile_cache.enable()
+    cache = None if args.no_compile_cache else compile_cache.enable()
     engine, cfg.eos_token_ids = _engine(args, source)
+    store = None if cache is None else exported.attach(engine, cache / "exported")
 
     def load() -> Engine:
         """Compile the engine's programs (the slow part) while /health answers 503."""
@@ -107,7 +107,9 @@ def main(argv=None) -> None:
             after = compile_cache.programs()
             print(f"gpt-jax serve: {after.loaded - before.loaded} programs loaded from cache, "
                   f"{after.compiled - before.compiled} compiled in "
-                  f"{time.monotonic() - tick:.1f} s", flush=True)
+                  f"{time.monotonic() - tick:.1f} s" + ("" if store is None else
+                  f" ({store.loaded} exported programs read, {store.exported} written)"),
+                  flush=True)
         return engine
 
     listening = threading.Event()

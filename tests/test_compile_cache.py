@@ -33,7 +33,7 @@ def serve_once(run_dir, cache, prompt="ABC"):
         printed = []
         for line in proc.stdout:
             printed.append(line)
-            if " ready on " in line:
+            if " ready on " in line or "failed to load" in line:
                 break
         printed = "".join(printed)
         assert " ready on " in printed, printed
@@ -71,6 +71,8 @@ def test_a_second_serve_start_loads_every_program_and_compiles_nothing(tmp_path,
     # the second start: every program of the warmup, the load and the request from disk
     printed, again, metrics = serve_once(run_dir, cache)
     assert counted(printed) == (compiled, 0)
+    read = re.search(r"\((\d+) exported programs read, 0 written\)", printed)
+    assert read and int(read.group(1)) > 0, printed  # the engine's Python not traced again
     assert metric(metrics, "xla_programs_compiled") == 0  # the whole process, request included
     assert metric(metrics, "xla_programs_loaded") >= compiled
     assert again == text  # the CPU kernels run from a loaded program too
@@ -132,3 +134,39 @@ def test_an_entry_that_does_not_decompress_is_removed_with_a_warning_once(tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert compile_cache.discard_corrupt(tmp_path) == []
+
+
+def test_exported_programs_give_the_jitted_engine_s_tokens_and_load_on_a_second_start(
+        tmp_path, config, params):
+    """`inference.exported`: the engine's programs exported (the CPU kernel kept) give the
+    tokens the jitted ones give; a second engine loads every artifact and exports none; a
+    truncated artifact is exported again with a warning."""
+    from inference import Engine, SamplingParams, exported
+
+    def run(engine):
+        sampling = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, logprobs=2)
+        for i, prompt in enumerate([[1, 2, 3], [9, 8, 7, 6, 5, 4, 3]]):
+            engine.add_request(str(i), prompt, sampling)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step()})
+        return {k: (o.token_ids, o.logprobs, o.finish_reason) for k, o in done.items()}
+
+    expected = run(Engine(params, config, max_slots=2))
+    first = Engine(params, config, max_slots=2)
+    programs = exported.attach(first, tmp_path)
+    assert run(first) == expected
+    assert programs.exported >= 2 and programs.loaded == 0
+
+    second = Engine(params, config, max_slots=2)
+    again = exported.attach(second, tmp_path)
+    assert run(second) == expected
+    assert (again.loaded, again.exported) == (programs.exported, 0)
+
+    artifact = next(tmp_path.glob("*.jaxexport"))
+    artifact.write_bytes(artifact.read_bytes()[:100])
+    third = Engine(params, config, max_slots=2)
+    last = exported.attach(third, tmp_path)
+    with pytest.warns(UserWarning, match=f"exported program {artifact} is broken"):
+        assert run(third) == expected
+    assert (last.loaded, last.exported) == (programs.exported - 1, 1)
