@@ -225,10 +225,8 @@ def load_llm(args) -> LLM:
     if args.prompt and args.prompt_ids:
         raise SystemExit("gpt-jax generate: give --prompt or --prompt-ids, not both")
     if not args.hf_checkpoint:
-        return LLM.from_checkpoint(args.run_dir, dtype=args.dtype, quantize=args.quantize,
-                                   compile_cache=not args.no_compile_cache)
-    llm = LLM.from_pretrained(args.hf_checkpoint, dtype=args.dtype, quantize=args.quantize,
-                              compile_cache=not args.no_compile_cache)
+        return LLM.from_checkpoint(args.run_dir, dtype=args.dtype, quantize=args.quantize)
+    llm = LLM.from_pretrained(args.hf_checkpoint, dtype=args.dtype, quantize=args.quantize)
     if llm.tokenizer is None and not args.prompt_ids:
         raise SystemExit(f"gpt-jax generate: {args.hf_checkpoint} has no tokenizer "
                          f"(tokenizer.json, or vocab.json + merges.txt); pass --prompt-ids")
@@ -256,6 +254,8 @@ def main(argv=None):
     if not all(prompts):  # else validate's error names generate's bos_token_id, not a flag
         raise SystemExit("gpt-jax generate: --prompt is empty; give a non-empty --prompt (the "
                          "text the model continues), or no --prompt to start from a newline")
+    if args.no_compile_cache:
+        compile_cache.disable()  # the LLM's default is on
     try:
         sampling = sampling_from_args(args)  # every flag checked before loading
         llm = load_llm(args)

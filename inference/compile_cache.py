@@ -80,7 +80,10 @@ def enable(base: Path | str | None = None) -> Path | None:
     every program cached however quickly it compiled, after removing broken entries
     (`discard_corrupt`). A process whose JAX already has a cache directory keeps it. Call it
     before the first compile. Returns the key directory (where `inference.exported` keeps
-    its artifacts too), or None when the process had a cache directory already."""
+    its artifacts too), or None when the process had a cache directory already or was
+    `disable`d."""
+    if _enabled.get("off"):
+        return None
     current = jax.config.jax_compilation_cache_dir
     if current:
         return Path(current) if current == _enabled.get("dir") else None
@@ -95,7 +98,13 @@ def enable(base: Path | str | None = None) -> Path | None:
     return directory
 
 
-_enabled: dict[str, str] = {}  # "dir": the directory `enable` turned on in this process
+_enabled: dict[str, str] = {}  # "dir": the directory `enable` turned on; "off": `disable`d
+
+
+def disable() -> None:
+    """Keep this process off the cache: later `enable` calls do nothing
+    (`gpt-jax generate --no-compile-cache`; call it before the first)."""
+    _enabled["off"] = "yes"
 
 
 def discard_corrupt(directory: Path) -> list[str]:
