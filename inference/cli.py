@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax.cache import cache_bytes, pages_for
+from inference import compile_cache
 from inference.errors import RequestError
 from inference.generation import generate, pack, validate
 from inference.llm import LLM, with_stop_ids
@@ -50,6 +51,7 @@ def parse_args(argv=None):
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
     p.add_argument("--report", action="store_true", help="print timing and KV cache size")
+    compile_cache.add_flag(p)
     return p.parse_args(argv)
 
 
@@ -188,6 +190,8 @@ def main(argv=None):
     if not all(prompts):  # else validate's error names generate's bos_token_id, not a flag
         raise SystemExit("gpt-jax generate: --prompt is empty; give a non-empty --prompt (the "
                          "text the model continues), or no --prompt to start from a newline")
+    if args.no_compile_cache:
+        compile_cache.disable()  # the LLM's default is on
     try:
         sampling = sampling_from_args(args)  # every flag checked before loading
         llm = load_llm(args)

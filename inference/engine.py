@@ -185,6 +185,8 @@ class Engine:
         self.finished_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.finished_at_once: list[Sequence] = []  # max_new_tokens = 0: output next step
         self.arrivals = 0
+        # None: step() runs the jitted programs (`inference.exported.attach` sets exported ones)
+        self.prefill_program = self.decode_program = None
 
     # ------------------------------------------------------------------ requests
 
@@ -289,17 +291,16 @@ class Engine:
                 np.full((R, recent_width), stopping.BEFORE_START, np.int32),
                 zeros(R, self.config.max_seq_len), zeros(R, V, dtype=bool),
                 zeros(R, V))))  # padding rows: no effect
-            self.state = engine_prefill(self.params, self.config, self.state, table, batch,
-                                        rows, stops, pad_id=0)
+            self.state = (self.prefill_program or engine_prefill)(
+                self.params, self.config, self.state, table, batch, rows, stops, pad_id=0)
         live = jnp.zeros((self.max_slots,), bool)
         for n_rows in sorted({decode_rows(k, self.max_slots)
                               for k in range(1, self.max_slots + 1)}):
             windows = {decode_rows(k, n_rows) for k in range(1, n_rows + 1)} if crop else set()
             for n_window in [0] + sorted(windows):
-                self.state = engine_decode(self.params, self.config, self.state, table, live,
-                                           rows, stops, jnp.full((n_window,), self.max_slots,
-                                                                 jnp.int32),
-                                           n_rows=n_rows, pad_id=0)
+                self.state = (self.decode_program or engine_decode)(
+                    self.params, self.config, self.state, table, live, rows, stops,
+                    jnp.full((n_window,), self.max_slots, jnp.int32), n_rows=n_rows, pad_id=0)
         jax.block_until_ready(self.state)
         return sum(compile_counts().values()) - before
 
@@ -359,11 +360,11 @@ class Engine:
     def _prefill(self, work: list[PrefillWork]) -> None:
         """One prefill call: the chunks of `work`, a row each."""
         rows, stops = self._row_arrays()
-        self.state = engine_prefill(self.params, self.config, self.state, self._page_table(),
-                                    prefill_batch(work, self.max_slots, self.config.vocab_size,
-                                                  self.state.recent.shape[1],
-                                                  self.state.window.shape[1]),
-                                    rows, stops, pad_id=0)
+        self.state = (self.prefill_program or engine_prefill)(
+            self.params, self.config, self.state, self._page_table(),
+            prefill_batch(work, self.max_slots, self.config.vocab_size,
+                          self.state.recent.shape[1], self.state.window.shape[1]),
+            rows, stops, pad_id=0)
 
     def _decode(self, running: list[Sequence]) -> None:
         """One chunk of decode steps over the first slots, every running one among them."""
@@ -371,9 +372,9 @@ class Engine:
         live[[q.slot for q in running]] = True
         n_rows = decode_rows(max(q.slot for q in running) + 1, self.max_slots)
         rows, stops = self._row_arrays()
-        self.state = engine_decode(self.params, self.config, self.state, self._page_table(),
-                                   jnp.asarray(live), rows, stops,
-                                   self._window_slots(running, n_rows), n_rows=n_rows, pad_id=0)
+        self.state = (self.decode_program or engine_decode)(
+            self.params, self.config, self.state, self._page_table(), jnp.asarray(live), rows,
+            stops, self._window_slots(running, n_rows), n_rows=n_rows, pad_id=0)
 
     def _row_arrays(self):
         """Per-slot sampling and stop arrays of the active sequences (`row_arrays`)."""

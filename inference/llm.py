@@ -37,6 +37,8 @@ import jax.numpy as jnp
 
 from gpt_jax import checkpoint, tensor_parallel
 from gpt_jax.params import inference_params
+from inference import compile_cache as compile_cache_module
+from inference import exported
 from inference.chat import HOW_TO_SUPPLY, ChatTemplate, NoChatTemplate, token_ids
 from inference.engine import Engine
 from inference.generation import validate
@@ -107,6 +109,8 @@ class LLM:
     generation that samples one (finish reason "eos"), beside each request's own.
     `mesh` (a `jax.sharding.Mesh` with a "model" axis) runs its engines tensor-parallel
     over it (`inference.Engine`, `gpt_jax.tensor_parallel`).
+    `compile_cache` (default on) keeps the compiled programs on disk for the next process
+    (`inference.compile_cache.enable`).
 
     Raises:
       ValueError: a dtype other than `DTYPES`, a quantize other than None or
@@ -116,7 +120,10 @@ class LLM:
 
     def __init__(self, params, config, tokenizer, dtype="float32", quantize: str | None = None,
                  chat_template: ChatTemplate | str | None = None,
-                 eos_token_ids: tuple[int, ...] = (), mesh=None):
+                 eos_token_ids: tuple[int, ...] = (), mesh=None,
+                 compile_cache: bool = True):
+        # before the first compile (inference_params'); the engines' programs exported there
+        self.compile_dir = compile_cache_module.enable() if compile_cache else None
         try:
             name = jnp.dtype(dtype).name  # "bfloat16" and jnp.bfloat16 alike
         except TypeError:
@@ -142,21 +149,25 @@ class LLM:
             self._engines[max_slots] = Engine(
                 self.params, self.config, self.tokenizer, max_slots=max_slots,
                 cache_dtype=self.cache_dtype, quantize=self.quantize, mesh=self.mesh)
+            if self.compile_dir is not None and self.mesh is None:  # artifacts are one-device programs
+                exported.attach(self._engines[max_slots], self.compile_dir / "exported")
         return self._engines[max_slots]
 
     @classmethod
     def from_checkpoint(cls, run_dir, step: int | None = None, dtype="float32",
-                        quantize: str | None = None, chat_template=None, mesh=None) -> LLM:
+                        quantize: str | None = None, chat_template=None, mesh=None,
+                        compile_cache: bool = True) -> LLM:
         """Load the latest (or given) checkpoint of a training run directory (see `LLM` for
-        `dtype` and `quantize`). `chat_template`: a template file; None takes the run
-        directory's, if it has one (`ChatTemplate.load`)."""
+        `dtype`, `quantize`, `mesh` and `compile_cache`). `chat_template`: a template file;
+        None takes the run directory's, if it has one (`ChatTemplate.load`)."""
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
         template = ChatTemplate.load(run_dir, chat_template)
-        return cls(params, config, tokenizer, dtype, quantize, template, mesh=mesh)
+        return cls(params, config, tokenizer, dtype, quantize, template, mesh=mesh,
+                   compile_cache=compile_cache)
 
     @classmethod
     def from_pretrained(cls, hf_dir, dtype="float32", quantize: str | None = None,
-                        chat_template=None, mesh=None) -> LLM:
+                        chat_template=None, mesh=None, compile_cache: bool = True) -> LLM:
         """Load a Hugging Face directory of any family `gpt_jax.load_hf` reads, with its
         tokenizer (`gpt_jax.hf.load_hf_tokenizer`; None when it has none: token-id prompts
         only), every EOS id of config.json and generation_config.json, and its chat template
@@ -167,7 +178,7 @@ class LLM:
         config, params = load_hf(hf_dir)
         template = ChatTemplate.load(hf_dir, chat_template)
         return cls(params, config, load_hf_tokenizer(hf_dir), dtype, quantize, template,
-                   load_hf_eos_token_ids(hf_dir), mesh=mesh)
+                   load_hf_eos_token_ids(hf_dir), mesh=mesh, compile_cache=compile_cache)
 
     def _encode(self, prompts) -> list[list[int]]:
         """Token ids of each text prompt. Raises TypeError for a bare string (which would

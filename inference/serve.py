@@ -19,7 +19,7 @@ import jax
 import uvicorn
 
 from gpt_jax import tensor_parallel
-from inference import server
+from inference import compile_cache, exported, server
 from inference.chat import ChatTemplate
 from inference.engine import Engine
 from inference.load import add_model_args, load_model
@@ -72,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "N devices)")
     p.add_argument("--no-warmup", action="store_true",
                    help="compile each program on first use instead of before serving")
+    compile_cache.add_flag(p)
     return p.parse_args(argv)
 
 
@@ -100,17 +101,24 @@ def main(argv=None) -> None:
     sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
     if args.tensor_parallel > 1:  # a CPU host as N devices (before JAX starts; only CPU's)
         jax.config.update("jax_num_cpu_devices", args.tensor_parallel)
+    cache = None if args.no_compile_cache else compile_cache.enable()
     engine, cfg.eos_token_ids = _engine(args, source)
+    store = (None if cache is None or args.tensor_parallel > 1  # artifacts: one-device programs
+             else exported.attach(engine, cache / "exported"))
 
     def load() -> Engine:
         """Compile the engine's programs (the slow part) while /health answers 503."""
         if not args.no_warmup:
             print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} slots); "
                   "/health answers 503 until they are ready", flush=True)
-            tick = time.monotonic()
-            compiled = engine.warmup()
-            print(f"gpt-jax serve: {compiled} programs compiled in "
-                  f"{time.monotonic() - tick:.0f} s", flush=True)
+            tick, before = time.monotonic(), compile_cache.programs()
+            engine.warmup()
+            after = compile_cache.programs()
+            print(f"gpt-jax serve: {after.loaded - before.loaded} programs loaded from cache, "
+                  f"{after.compiled - before.compiled} compiled in "
+                  f"{time.monotonic() - tick:.1f} s" + ("" if store is None else
+                  f" ({store.loaded} exported programs read, {store.exported} written)"),
+                  flush=True)
         return engine
 
     listening = threading.Event()

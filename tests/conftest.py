@@ -31,6 +31,9 @@ def pytest_configure(config):
     same program (the same HLO) loads it from disk instead of compiling it again. A cached
     program is found by a hash of its HLO, compile options and jax version, never by name."""
     directory = config.cache.mkdir("jax-compilation-cache")
+    # The `gpt-jax serve` and `generate` processes tests start keep their own cache
+    # (`inference.compile_cache`) here too, not in the user's ~/.cache.
+    os.environ["GPT_JAX_CACHE"] = str(config.cache.mkdir("gpt-jax-xla"))
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -37,7 +37,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPI
 BUILD_TIMEOUT_S = 300.0  # most seconds a build (or waiting for another's) may take
 
 
-def _cpu_id() -> str:
+def cpu_id() -> str:
     """The CPU model and feature flags (what -march=native compiles for)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -69,7 +69,7 @@ def library_path(source: Path, command: list[str] | None = None) -> Path:
     key = hashlib.sha256("\0".join([
         source.read_text(), HEADER.read_text(), jaxlib.__version__, " ".join(FLAGS),
         shlex.join(command), _compiler_id(command), platform.machine(),
-        _cpu_id()]).encode()).hexdigest()[:16]
+        cpu_id()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-jax"
     return cache / f"{source.stem}-{key}.so"
 

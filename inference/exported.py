@@ -1,0 +1,151 @@
+"""The engine's programs kept as `jax.export` artifacts beside the compilation cache, so a warm
+start skips tracing and lowering the engine's Python.
+
+With the persistent compilation cache alone (`inference.compile_cache`), a start still traces
+and lowers every program to find its cache entry: most of a warm start (measured in
+benchmarks/README.md, "Start-up"). `ExportedPrograms.wrap` runs a jitted entry point
+(`engine_prefill`, `engine_decode`) through `jax.export` instead: the first call of each
+shape exports it (the CPU kernels' custom calls kept: reading an artifact registers the
+kernels it calls) and writes the serialized artifact; a later process
+deserializes it and lowers only the call, whose XLA program then comes from the cache.
+Results equal the jitted function's: the same StableHLO runs.
+
+An artifact is found by a SHA-256 of the entry point's name, its static arguments, the tree,
+shapes and dtypes of the others, the source of gpt_jax and inference (a changed line
+exports anew), `XLA_FLAGS` and the backend; its directory is already keyed by the jax
+version, the kernels' source and the CPU (`compile_cache.key_dir`). Each file starts with
+the SHA-256 of the rest: one that does not match (truncated, corrupt) or does not
+deserialize is removed with a warning and exported again, never a crash. Files are written
+to a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+from gpt_jax.kernels import causal_attention, int8_matmul, paged_attention
+from inference.batching import engine_decode, engine_prefill
+
+PACKAGES = ("gpt_jax", "inference")  # whose source keys every artifact
+# The CPU kernels' FFI targets, and what registers each (tracing a program registers the
+# kernels it calls; a deserialized program was not traced here).
+KERNELS = {paged_attention.TARGET: paged_attention.available,
+           int8_matmul.TARGET: int8_matmul.available,
+           causal_attention.FORWARD: causal_attention.available,
+           causal_attention.BACKWARD: causal_attention.available}
+# jax.export refuses a custom call unless told the loading process will have it.
+KERNEL_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(t) for t in KERNELS]
+
+
+def source_digest() -> str:
+    """SHA-256 of every .py, .cc and .h file of `PACKAGES` (paths and text)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*")):
+            if path.suffix in (".py", ".cc", ".h"):
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+class ExportedPrograms:
+    """The artifacts in `directory`, and the programs of this process, by call shape.
+
+    `loaded` and `exported` count the artifacts read and written."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.base = "\0".join([source_digest(), os.environ.get("XLA_FLAGS", ""),
+                               jax.default_backend(), jax.devices()[0].device_kind])
+        self.programs: dict = {}  # call key -> (jitted exported call, output tree)
+        self.loaded = self.exported = 0
+
+    def wrap(self, fn, static: tuple[str, ...], donate: str) -> Callable:
+        """A function called as `fn` is (same arguments, same result) that runs the exported
+        program of each call shape. `fn` is a `jax.jit` function whose `static` arguments
+        are hashable and whose result has the tree of its `donate` argument (donated)."""
+        signature = inspect.signature(fn)
+
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            statics = tuple((k, bound.arguments[k]) for k in static)
+            names = [k for k in bound.arguments if k not in static]
+            dynamic = [bound.arguments[k] for k in names]
+            leaves, tree = jax.tree.flatten(dynamic)
+            key = (fn.__name__, statics, tree,
+                   tuple((np.shape(x), np.dtype(x.dtype).name) for x in leaves))
+            if key not in self.programs:
+                self.programs[key] = self._program(fn, key, names, dynamic, donate)
+            program, out_tree = self.programs[key]
+            return jax.tree.unflatten(out_tree, program(*leaves))
+
+        return call
+
+    def _program(self, fn, key, names: list[str], dynamic: list, donate: str):
+        """The jitted call of `fn`'s exported program for `key` (`dynamic`: the values of
+        the arguments `names`), and its output tree: read from its artifact, or exported and
+        written."""
+        statics, tree, donated = dict(key[1]), key[2], names.index(donate)
+        path = self.directory / (hashlib.sha256(
+            f"{self.base}\0{key!r}".encode()).hexdigest()[:32] + ".jaxexport")
+        exported = self._read(path)
+        if exported is None:
+            def flat(*leaves):
+                values = jax.tree.unflatten(tree, leaves)
+                return jax.tree.leaves(fn(**dict(zip(names, values)), **statics))
+            exported = jax.export.export(jax.jit(flat), disabled_checks=KERNEL_CHECKS)(
+                *jax.tree.leaves(dynamic))
+            self._write(path, exported.serialize())
+        before = sum(len(jax.tree.leaves(a)) for a in dynamic[:donated])
+        donate = tuple(range(before, before + len(jax.tree.leaves(dynamic[donated]))))
+        return (jax.jit(exported.call, donate_argnums=donate),
+                jax.tree.structure(dynamic[donated]))
+
+    def _read(self, path: Path):
+        """The artifact at `path`, None when there is none; a broken one is removed with a
+        warning."""
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            if hashlib.sha256(data[32:]).digest() != data[:32]:
+                raise ValueError("its checksum does not match (truncated or corrupt)")
+            exported = jax.export.deserialize(bytearray(data[32:]))
+        except Exception as error:  # noqa: BLE001: any failure to read is a broken artifact
+            warnings.warn(f"gpt-jax: the exported program {path} is broken "
+                          f"({type(error).__name__}: {error}); removed, it will be exported "
+                          "again", stacklevel=3)
+            path.unlink(missing_ok=True)
+            return None
+        for target, register in KERNELS.items():  # before XLA loads the program
+            if target.encode() in exported.mlir_module_serialized:
+                register()
+        self.loaded += 1
+        return exported
+
+    def _write(self, path: Path, blob: bytes) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(hashlib.sha256(blob).digest() + blob)
+        os.replace(tmp, path)  # whole or absent, for a concurrent reader too
+        self.exported += 1
+
+
+def attach(engine, directory: Path) -> ExportedPrograms:
+    """Make `engine` (an `inference.Engine`) run its prefill and decode programs exported,
+    with the artifacts in `directory`. Returns the programs (their counts)."""
+    programs = ExportedPrograms(directory)
+    engine.prefill_program = programs.wrap(engine_prefill, ("config", "pad_id"), "state")
+    engine.decode_program = programs.wrap(engine_decode, ("config", "n_rows", "pad_id"),
+                                          "state")
+    return programs
