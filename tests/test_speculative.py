@@ -191,3 +191,45 @@ def test_bad_settings_refused(field, value):
         SamplingParams(**{field: value})
     with pytest.raises(RequestError, match="prompt_lookup_min"):
         SamplingParams(prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+# ------------------------------------------------------------------ the Engine
+
+def _mixed_requests(config, rng, count):
+    """Greedy speculative requests (k = 3 and 4: one program width; some with EOS ids and
+    stop sequences), greedy and sampled plain ones, of random lengths."""
+    requests = []
+    for i in range(count):
+        prompt = rng.integers(0, config.vocab_size, int(rng.integers(2, 30))).tolist()
+        sp = dict(max_new_tokens=int(rng.integers(1, 40)), seed=i)
+        if i % 4 == 3:
+            sp |= dict(temperature=0.9, top_k=20, frequency_penalty=0.3)
+        else:
+            sp |= dict(temperature=0.0, stop_token_ids=[int(rng.integers(0, 64))] * (i % 3 == 0),
+                       stop_sequences=[[int(t) for t in rng.integers(0, 64, 1)]] * (i % 3 == 1))
+            if i % 4:
+                sp |= dict(speculative="ngram", num_speculative_tokens=3 + i % 2)
+        requests.append((f"r{i}", prompt, SamplingParams(**sp)))
+    return requests
+
+
+def test_engine_mixed_requests_with_preemption_equal_each_alone():
+    from inference import Engine
+    config = GPTConfig.preset("tiny-llama")
+    params = lively_params(config, scale=2.0)
+    rng = np.random.default_rng(0)
+    requests = _mixed_requests(config, rng, 40)
+    engine = Engine(params, config, max_slots=2, num_pages=20, page_size=4)
+    pending, finals = list(requests), {}
+    while pending or engine.has_unfinished_requests():
+        while pending and rng.random() < 0.4:
+            engine.add_request(*pending.pop(0))
+        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["free_pages"] == stats["total_pages"]
+    assert 0.2 < stats["spec_acceptance_rate"] <= 1 and stats["spec_tokens_per_verification"] > 1.5
+    # rows of one generate call are independent: each is its request alone
+    alone = generate(params, config, [p for _, p, _ in requests], [s for *_, s in requests])
+    for (request_id, _, _), ref in zip(requests, alone):
+        assert finals[request_id].token_ids == ref.tokens, request_id
+        assert finals[request_id].finish_reason == ref.finish_reason, request_id
