@@ -233,3 +233,25 @@ def test_engine_mixed_requests_with_preemption_equal_each_alone():
     for (request_id, _, _), ref in zip(requests, alone):
         assert finals[request_id].token_ids == ref.tokens, request_id
         assert finals[request_id].finish_reason == ref.finish_reason, request_id
+
+
+def test_server_fields_and_metrics():
+    """The request body's fields reach SamplingParams (bad ones are a 400 naming the field),
+    and /metrics carries the engine's acceptance counters."""
+    import prometheus_client as prom
+    from inference import Engine, api
+    from inference.metrics import Metrics
+    body = api.CompletionRequest(prompt="x", speculative="ngram", num_speculative_tokens=2,
+                                 prompt_lookup_max=2)
+    sp = api._sampling(body, 8, None, [])
+    assert (sp.speculative, sp.num_speculative_tokens, sp.prompt_lookup_max) == ("ngram", 2, 2)
+    with pytest.raises(api.APIError, match="speculative"):
+        api._sampling(api.CompletionRequest(prompt="x", speculative="medusa"), 8, None, [])
+    config = GPTConfig.preset("tiny")
+    engine = Engine(lively_params(config), config, max_slots=2)
+    stats = engine.stats()
+    assert stats["spec_acceptance_rate"] == 0.0 and stats["spec_drafted_tokens"] == 0
+    metrics = Metrics()
+    metrics.update(stats, engine.page_size, 0.0, 0)
+    text = prom.generate_latest(metrics.registry).decode()
+    assert "gpt_jax:spec_decode_draft_acceptance_rate 0.0" in text
