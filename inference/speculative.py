@@ -207,23 +207,24 @@ def speculative_step(state: DecodeState, spec: SpecState, verify_fn, rows, stops
     V = logits_BTV.shape[-1]
     drafts_BT = jnp.pad(drafts_BK, ((0, 0), (0, 1)))  # position `width` has no draft
 
-    def position(carry, j):  # the fed positions in order, while the row's run goes on
-        state, alive_B, emitted_B, accepted_B = carry
+    def position(carry):  # the fed positions in order, while some row's run goes on
+        j, state, alive_B, emitted_B, accepted_B = carry
         draft_B, logits_BV = drafts_BT[:, j], logits_BTV[:, j]
         has_B = alive_B & (j < k_B)
         token_B = choose(state, logits_BV, draft_B, has_B, jax.nn.one_hot(draft_B, V), rows,
                          stops, pad_id)
         state = record_token(state, token_B, logits_BV, alive_B, rows, stops, pad_id)
         hit_B = has_B & (token_B == draft_B)
-        return (state, alive_B & hit_B & ~state.done, emitted_B + alive_B,
-                accepted_B + hit_B), None
+        return (j + 1, state, alive_B & hit_B & ~state.done, emitted_B + alive_B,
+                accepted_B + hit_B)
 
     zeros_B = jnp.zeros_like(k_B)
-    # a scan, not an unrolled loop: one copy of the sampling code to compile; the cache
-    # stays outside it
-    state, _, emitted_B, accepted_B = jax.lax.scan(
-        position, (state.replace(model=None), running_B, zeros_B, zeros_B),
-        jnp.arange(width + 1))[0]
+    # a loop, not unrolled: one copy of the sampling code to compile, and it stops at the
+    # last position any row reached (a step without drafts samples once); the cache stays
+    # outside it
+    _, state, _, emitted_B, accepted_B = jax.lax.while_loop(
+        lambda c: c[2].any(), position,
+        (0, state.replace(model=None), running_B, zeros_B, zeros_B))
     state = state.replace(model=cache)
     cache = state.model.replace(lengths=jnp.where(running_B, lengths_B + emitted_B,
                                                   state.model.lengths))
