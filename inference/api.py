@@ -65,6 +65,11 @@ class SamplingFields(BaseModel):
     repetition_penalty: Optional[float] = _bounded(1.0, "repetition_penalty")
     min_tokens: Optional[int] = _bounded(0, "min_tokens")
     logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias
+    # speculative decoding (`inference.speculative`): "ngram" or null
+    speculative: Optional[str] = None
+    num_speculative_tokens: Optional[int] = _bounded(4, "num_speculative_tokens")
+    prompt_lookup_min: Optional[int] = _bounded(1, "prompt_lookup_min")
+    prompt_lookup_max: Optional[int] = _bounded(3, "prompt_lookup_max")
 
 
 class CompletionRequest(SamplingFields):
@@ -212,7 +217,11 @@ def _sampling(body: CompletionRequest | ChatRequest, max_tokens: int | None,
             max_new_tokens=pick(max_tokens, 16), n=n, logprobs=logprobs,
             stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
             stop_token_ids=stop_token_ids,
-            min_tokens=pick(body.min_tokens, 0), logit_bias=bias)
+            min_tokens=pick(body.min_tokens, 0), logit_bias=bias,
+            speculative=body.speculative,
+            num_speculative_tokens=pick(body.num_speculative_tokens, 4),
+            prompt_lookup_min=pick(body.prompt_lookup_min, 1),
+            prompt_lookup_max=pick(body.prompt_lookup_max, 3))
     except RequestError as error:
         raise request_error(error) from None
 

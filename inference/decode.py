@@ -137,10 +137,18 @@ def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArr
     step below it) no EOS id can be sampled (`stopping.ban_early_eos`) and no stop sequence
     counts. Log-probs are the model's, from `logits_BV` before any of that.
     """
+    token_B = sample(stopping.ban_early_eos(logits_BV, state.step, stops), rows,
+                     state.prompt_seen, state.output_counts, state.step, pad_id)
+    return record_token(state, token_B, logits_BV, active_B, rows, stops, pad_id)
+
+
+def record_token(state: DecodeState, token_B, logits_BV, active_B, rows: SamplingArrays,
+                 stops: stopping.StopArrays, pad_id: int) -> DecodeState:
+    """Record the chosen `token_B` (int32 `[B]`) of every `active_B` row at its step, with
+    the stop checks and log-probs of `sample_and_record` (which chose it from `logits_BV`;
+    a speculative step chooses it from verified drafts, `inference.speculative`)."""
     B, n_steps = state.tokens.shape
     step_B = state.step
-    token_B = sample(stopping.ban_early_eos(logits_BV, step_B, stops), rows, state.prompt_seen,
-                     state.output_counts, step_B, pad_id)
     token_B = jnp.where(active_B, token_B, pad_id)
     token_logprob_B, top_logprobs, top_ids = _token_logprobs(
         logits_BV, token_B, active_B & (rows.logprobs >= 0), state.top_ids.shape[-1])

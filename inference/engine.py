@@ -34,7 +34,10 @@ from inference.errors import RequestError
 from inference.generation import generate_program
 from inference.sampling import prompt_hash
 from inference.sampling_params import MAX_LOGPROBS, SamplingParams
-from inference.scheduler import PrefillWork, Scheduler, Sequence, SequenceResult, Status
+from inference.scheduler import (PrefillWork, Scheduler, Sequence, SequenceResult, Status,
+                                 bucket)
+from inference.spec_engine import SpecSlots, engine_speculate
+from inference.speculative import width_of
 from inference.steps import PAGE_SIZE, decode_step, prefill
 from inference.validation import check_request
 
@@ -44,7 +47,8 @@ FINISHED_IDS = 100_000  # finished request ids an Engine remembers (abort of one
 def compile_counts() -> dict[str, int]:
     """Programs compiled so far by each jitted entry point (their jit cache sizes)."""
     fns = {"prefill": prefill, "decode_step": decode_step, "generate": generate_program,
-           "engine_prefill": engine_prefill, "engine_decode": engine_decode}
+           "engine_prefill": engine_prefill, "engine_decode": engine_decode,
+           "engine_speculate": engine_speculate}
     return {name: fn._cache_size() for name, fn in fns.items()}
 
 
@@ -187,6 +191,7 @@ class Engine:
         self.arrivals = 0
         # None: step() runs the jitted programs (`inference.exported.attach` sets exported ones)
         self.prefill_program = self.decode_program = None
+        self.spec = SpecSlots(max_slots)  # speculative rows' draft state and counters
 
     # ------------------------------------------------------------------ requests
 
@@ -326,7 +331,8 @@ class Engine:
                 "waiting": len(s.waiting), "preemptions": s.preemptions,
                 "prefix_cache_hits": s.prefix_cache_hits, "prefilled_tokens": s.prefilled_tokens,
                 "mesh": tensor_parallel.mesh_stats(self.mesh, self.config, self.num_pages,
-                                                   self.page_size, self.cache_dtype)}
+                                                   self.page_size, self.cache_dtype),
+                **self.spec.stats()}
 
     def on_mesh(self):
         """The context the engine's programs are traced and run in: its mesh, if any."""
@@ -365,6 +371,10 @@ class Engine:
             prefill_batch(work, self.max_slots, self.config.vocab_size,
                           self.state.recent.shape[1], self.state.window.shape[1]),
             rows, stops, pad_id=0)
+        self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
+
+    def _spec_arrays(self):
+        return SpecSlots.arrays(self.scheduler.active, self.max_slots, self.config.max_seq_len)
 
     def _decode(self, running: list[Sequence]) -> None:
         """One chunk of decode steps over the first slots, every running one among them."""
@@ -372,9 +382,18 @@ class Engine:
         live[[q.slot for q in running]] = True
         n_rows = decode_rows(max(q.slot for q in running) + 1, self.max_slots)
         rows, stops = self._row_arrays()
+        window_slots = self._window_slots(running, n_rows)
+        width = width_of([q.sampling for q in running])
+        if width and not window_slots.shape[0]:  # speculative rows, none near a "crop"
+            width = bucket(width)  # few programs
+            self.state, self.spec.state = engine_speculate(
+                self.params, self.config, self.state, self.spec.state, self._page_table(),
+                jnp.asarray(live), rows, stops, self._spec_arrays(), n_rows=n_rows,
+                width=width, pad_id=0)
+            return
         self.state = (self.decode_program or engine_decode)(
             self.params, self.config, self.state, self._page_table(), jnp.asarray(live), rows,
-            stops, self._window_slots(running, n_rows), n_rows=n_rows, pad_id=0)
+            stops, window_slots, n_rows=n_rows, pad_id=0)
 
     def _row_arrays(self):
         """Per-slot sampling and stop arrays of the active sequences (`row_arrays`)."""

@@ -18,6 +18,7 @@ new bucket.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
 
 import jax
@@ -28,22 +29,26 @@ from gpt_jax import tensor_parallel
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import Params, check_params, decode_layout
 from inference import stopping
+from inference import speculative
 from inference.decode import (CHUNK, DecodeState, decode_loop, init_state, prompt_seen,
                               prompt_window, sample_and_record)
 from inference.sampling import SamplingArrays, prompt_hash
 from inference.sampling_params import MAX_LOGPROBS, SamplingParams
 from inference.scheduler import MIN_PROMPT_BUCKET, bucket
 from inference.steps import cached_model
+from inference.verify import verifier
 from inference.validation import check_request
 
 
 def _start(params, config, prompt_tokens, prompt_lengths, source_B, rows, stops, *, capacity,
-           n_steps, n_top, model_fns, cache_dtype, forked, pad_id):
-    """Prefill, and the first token of every row sampled from the prefill's logits."""
+           n_steps, n_top, model_fns, cache_dtype, forked, pad_id, spec_width=0):
+    """Prefill, and the first token of every row sampled from the prefill's logits. The
+    rows keep a window of their last tokens where one may outgrow the context or drafts
+    are looked up in it (`spec_width`)."""
     prefill_fn, _ = model_fns(params, config, capacity, cache_dtype)
     logits_BV, model = prefill_fn(prompt_tokens, prompt_lengths, source_B, forked)
     seen_by_prompt = prompt_seen(prompt_tokens, prompt_lengths, logits_BV.shape[-1])
-    width = config.max_seq_len if capacity > config.max_seq_len else 0  # a row may outgrow it
+    width = config.max_seq_len if capacity > config.max_seq_len or spec_width else 0
     window_by_prompt = prompt_window(prompt_tokens, prompt_lengths, width, pad_id)
     state = init_state(model, jnp.take(seen_by_prompt, source_B, axis=0), stops,
                        jnp.take(window_by_prompt, source_B, axis=0), n_steps=n_steps,
@@ -70,6 +75,21 @@ def generation(params, config, prompt_tokens, prompt_lengths, source_B, rows, st
 generate_program = jax.jit(generation, static_argnames=_STATIC)
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC + ("spec_width",))
+def speculative_program(params, config, prompt_tokens, prompt_lengths, source_B, rows, stops,
+                        spec: speculative.SpecArrays, *, capacity, n_steps, n_top, model_fns,
+                        cache_dtype, pad_id, forked, spec_width):
+    """`generation` with the loop of speculative steps (`inference.speculative`), verifying
+    `spec_width` (K > 0) drafts per step over the cached model. Returns `(DecodeState,
+    speculative.SpecState)`."""
+    state = _start(params, config, prompt_tokens, prompt_lengths, source_B, rows, stops,
+                   capacity=capacity, n_steps=n_steps, n_top=n_top, model_fns=model_fns,
+                   cache_dtype=cache_dtype, forked=forked, pad_id=pad_id, spec_width=spec_width)
+    return speculative.speculative_loop(
+        state, speculative.SpecState.init(spec), verifier(params, config), rows, stops, spec,
+        width=spec_width, limit=capacity, pad_id=pad_id)
+
+
 @dataclasses.dataclass
 class Completion:
     """One generated sequence."""
@@ -82,6 +102,9 @@ class Completion:
     seed: int
     logprobs: list[float] | None = None  # model log-prob of each token (raw logits)
     top_logprobs: list[dict[int, float]] | None = None  # the `logprobs` most likely per step
+    # a speculative row's counts: "drafted" tokens verified, of them "accepted", "steps"
+    # (forward passes; tokens per step = len(tokens) / steps)
+    speculation: dict[str, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +124,8 @@ class Batch:
     n_steps: int  # token buffer length (bucketed max_new_tokens)
     n_top: int  # alternatives recorded per step
     forked: bool  # some prompt has n > 1 rows (they copy its prefilled pages)
+    spec: speculative.SpecArrays  # per row: speculative decoding
+    spec_width: int  # drafts verified per step (0: no speculative row, or a row may "crop")
 
 
 def _expand_sampling(prompts, sampling) -> list[SamplingParams]:
@@ -173,6 +198,8 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
         n_steps=n_steps,
         n_top=min(MAX_LOGPROBS, config.vocab_size) if want_logprobs else 0,
         forked=n_real > len(prompts),
+        spec=speculative.SpecArrays.from_params(padded),
+        spec_width=0 if outgrows else speculative.width_of(rows),
     )
 
 
@@ -217,13 +244,16 @@ def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_
     if all(sp.max_new_tokens == 0 for sp in sampling):  # nothing to do: compile nothing
         return [Completion([], "length", sp.seed or 0) for sp in sampling for _ in range(sp.n)]
     batch = pack(config, prompts, sampling, pad_id)
-    state = generate_program(
-        params, config, jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.prompt_lengths),
-        jnp.asarray(batch.source_B), batch.rows, batch.stops, capacity=batch.capacity,
-        n_steps=batch.n_steps, n_top=batch.n_top, model_fns=model_fns, cache_dtype=cache_dtype,
-        pad_id=pad_id, forked=batch.forked,
-    )
-    return unpack(batch, state)
+    args = (params, config, jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.prompt_lengths),
+            jnp.asarray(batch.source_B), batch.rows, batch.stops)
+    static = dict(capacity=batch.capacity, n_steps=batch.n_steps, n_top=batch.n_top,
+                  model_fns=model_fns, cache_dtype=cache_dtype, pad_id=pad_id,
+                  forked=batch.forked)
+    # speculation verifies over the paged cache; the naive reference runs token by token
+    if not batch.spec_width or model_fns is not cached_model:
+        return unpack(batch, generate_program(*args, **static))
+    state, spec = speculative_program(*args, batch.spec, spec_width=batch.spec_width, **static)
+    return speculative.with_counts(unpack(batch, state), batch.requests, jax.device_get(spec))
 
 
 def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_token_id=None,

@@ -34,6 +34,13 @@ class Metrics:
                                      "bytes of the KV page pools each device holds")
         self.hit_rate = g("prefix_cache_hit_rate",
                           "prompt tokens reused from cached pages / prompt tokens, since start")
+        self.spec_rate = g("spec_decode_draft_acceptance_rate",
+                           "accepted / drafted speculative tokens, since start")
+        self.spec_per_step = g("spec_decode_tokens_per_verification", "tokens a speculative "
+                               "sample emitted per verification step, since start")
+        self.spec_drafted = g("spec_decode_num_draft_tokens", "drafted tokens, since start")
+        self.spec_accepted = g("spec_decode_num_accepted_tokens", "accepted drafted tokens, "
+                               "since start")
         self.recent: list[tuple[float, int]] = []  # (time, tokens) of each step, last 10 s
         g("generation_tokens_per_second", "generated tokens per second over the last 10 s"
           ).set_function(self._tokens_per_s)
@@ -68,6 +75,10 @@ class Metrics:
         self.kv_bytes_per_device.set(mesh["kv_cache_bytes_per_device"])
         reused = stats["prefix_cache_hits"] * page_size
         self.hit_rate.set(reused / max(1, reused + stats["prefilled_tokens"]))
+        self.spec_rate.set(stats["spec_acceptance_rate"])
+        self.spec_per_step.set(stats["spec_tokens_per_verification"])
+        self.spec_drafted.set(stats["spec_drafted_tokens"])
+        self.spec_accepted.set(stats["spec_accepted_tokens"])
         self.generation_tokens.inc(new_tokens)
         if new_tokens:  # a new list, so a scrape on another thread reads a whole one
             self.recent = [(t, k) for t, k in self.recent if now - t <= WINDOW_S] + \

@@ -267,17 +267,11 @@ def greedy_tokens(logits_BV: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(logits_BV == top_B1, index_BV, V - 1), axis=-1)
 
 
-def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, step, pad_id=0):
-    """Choose one token per row. Returns int32 `[B]`.
-
-    Args:
-      logits_BV: float32 or bfloat16 logits (computed in float32 here).
-      rows: per-row parameters (`rows.logit_bias` is added first).
-      prompt_seen_BV, output_counts_BV: history for penalties.
-      step: int scalar or `[B]`, index of the token each row is generating (mixed into the
-        row's key).
-      pad_id: returned for rows whose logits have no finite value.
-    """
+def prepare_logits(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV):
+    """Steps 0-1 of the module docstring on float32 logits: `(penalized_BV, finite_B)`, the
+    biased and penalized logits (NaN and a row with no finite value made harmless) and
+    whether the row had any finite logit. Greedy reads `penalized_BV`; `scaled_logits`
+    goes on from it."""
     logits_BV = logits_BV.astype(jnp.float32)
     finite_B = jnp.isfinite(logits_BV).any(-1)
     logits_BV = jnp.where(finite_B[:, None] & ~jnp.isnan(logits_BV), logits_BV, -jnp.inf)
@@ -296,24 +290,46 @@ def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, st
         lambda x: x,
         logits_BV,
     )
+    return logits_BV, finite_B
+
+
+def scaled_logits(penalized_BV, rows: SamplingArrays):
+    """Steps 3-4 of the module docstring: the logits a sampled row draws from
+    (`jax.random.categorical`), temperature-scaled and filtered; the filters' sort runs only
+    when some sampled row filters."""
+    scaled_BV = apply_temperature(penalized_BV, rows.temperature)
+    any_filter = (
+        (rows.temperature > 0)
+        & (((rows.top_k > 0) & (rows.top_k < penalized_BV.shape[-1])) | (rows.top_p < 1)
+           | (rows.min_p > 0))
+    ).any()
+    return jax.lax.cond(
+        any_filter,
+        lambda x: filter_logits(x, rows.top_k, rows.top_p, rows.min_p),
+        lambda x: x,
+        scaled_BV,
+    )
+
+
+def sample(logits_BV, rows: SamplingArrays, prompt_seen_BV, output_counts_BV, step, pad_id=0):
+    """Choose one token per row. Returns int32 `[B]`.
+
+    Args:
+      logits_BV: float32 or bfloat16 logits (computed in float32 here).
+      rows: per-row parameters (`rows.logit_bias` is added first).
+      prompt_seen_BV, output_counts_BV: history for penalties.
+      step: int scalar or `[B]`, index of the token each row is generating (mixed into the
+        row's key).
+      pad_id: returned for rows whose logits have no finite value.
+    """
+    logits_BV, finite_B = prepare_logits(logits_BV, rows, prompt_seen_BV, output_counts_BV)
     greedy_B = greedy_tokens(logits_BV)
     sampled_rows_B = rows.temperature > 0
 
     def draw(logits_BV):
-        scaled_BV = apply_temperature(logits_BV, rows.temperature)
-        any_filter = (
-            sampled_rows_B
-            & (((rows.top_k > 0) & (rows.top_k < logits_BV.shape[-1])) | (rows.top_p < 1)
-               | (rows.min_p > 0))
-        ).any()
-        scaled_BV = jax.lax.cond(
-            any_filter,
-            lambda x: filter_logits(x, rows.top_k, rows.top_p, rows.min_p),
-            lambda x: x,
-            scaled_BV,
-        )
         keys_B = row_keys(rows.seed, rows.prompt_hash, rows.sample_index, step)
-        return jax.vmap(jax.random.categorical)(keys_B, scaled_BV).astype(jnp.int32)
+        return jax.vmap(jax.random.categorical)(keys_B, scaled_logits(logits_BV, rows)).astype(
+            jnp.int32)
 
     # An all-greedy batch draws no random numbers: the [B, V] Gumbel noise cost as much as
     # the rest of sampling (benchmarks/README.md).

@@ -14,6 +14,9 @@ from inference.errors import RequestError
 MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for
 INT32_MAX = 2**31 - 1  # integer fields become int32 arrays
 CONTEXT_OVERFLOW = ("error", "crop")  # SamplingParams.context_overflow values (None: default)
+SPECULATIVE = ("ngram",)  # SamplingParams.speculative values (None: off)
+MAX_SPECULATIVE_TOKENS = 8  # most drafted tokens per verification
+MAX_NGRAM = 4  # longest n-gram prompt lookup matches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,10 @@ RANGES = {
     "logprobs": Range(0, MAX_LOGPROBS, f"None or [0, {MAX_LOGPROBS}]", integer=True),
     "n": Range(1, INT32_MAX, f"[1, {INT32_MAX}]", integer=True),
     "min_tokens": Range(0, INT32_MAX, f"[0, {INT32_MAX}]", integer=True),
+    "num_speculative_tokens": Range(1, MAX_SPECULATIVE_TOKENS,
+                                    f"[1, {MAX_SPECULATIVE_TOKENS}]", integer=True),
+    "prompt_lookup_min": Range(1, MAX_NGRAM, f"[1, {MAX_NGRAM}]", integer=True),
+    "prompt_lookup_max": Range(1, MAX_NGRAM, f"[1, {MAX_NGRAM}]", integer=True),
 }
 BIAS = Range(-100.0, 100.0, "[-100, 100]")  # a logit_bias value
 TOKEN_ID = Range(0, math.inf, "token ids >= 0", integer=True)  # stop ids, biased ids
@@ -102,6 +109,15 @@ class SamplingParams:
     # front's default, "error" for `generate`, `Engine` and the server (nothing outgrows the
     # context silently), "crop" for `LLM` and `gpt-jax generate`.
     context_overflow: str | None = None
+    # Speculative decoding (`inference.speculative`): None (off) or "ngram", prompt lookup:
+    # draft up to `num_speculative_tokens` tokens by matching the row's last n tokens
+    # (n from prompt_lookup_max down to prompt_lookup_min) earlier in its prompt and output,
+    # and verify them in one forward. The output's distribution (greedy: its tokens) is
+    # that of decoding without it.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -133,6 +149,14 @@ class SamplingParams:
         if self.context_overflow not in CONTEXT_OVERFLOW + (None,):
             raise RequestError("context_overflow", self.context_overflow,
                                f"None, {', '.join(map(repr, CONTEXT_OVERFLOW))}")
+        if self.speculative not in SPECULATIVE + (None,):
+            raise RequestError("speculative", self.speculative,
+                               f"None, {', '.join(map(repr, SPECULATIVE))}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise RequestError("prompt_lookup_min", self.prompt_lookup_min,
+                               "1 <= {prompt_lookup_min} <= {prompt_lookup_max}",
+                               problem="{field}={value!r} is more than "
+                               f"{{prompt_lookup_max}}={self.prompt_lookup_max}")
 
     def overflow(self, default: str) -> str:
         """`context_overflow`, or `default` when it is None."""

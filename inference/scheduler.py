@@ -339,7 +339,9 @@ class Scheduler:
         self.preemptions += 1
 
     def _pages_wanted(self, seq: Sequence, chunk: int) -> int:
-        end = min(seq.length + chunk, len(seq.prompt) + seq.sampling.max_new_tokens,
+        sp = seq.sampling  # a speculative step may emit its drafts and one more token
+        per_step = 1 + (sp.num_speculative_tokens if sp.speculative else 0)
+        end = min(seq.length + chunk * per_step, len(seq.prompt) + sp.max_new_tokens,
                   self.max_seq_len)  # a "crop" request's cache stops at max_seq_len
         return max(0, self._pages_for(end) - len(seq.pages))
 

@@ -19,6 +19,8 @@ class Sampling:
 
     max_new_tokens: int = 4
     n: int = 1
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
 
 
 def scheduler(*, max_slots=8, num_pages=64, max_seq_len=256, max_prefill_tokens=128,

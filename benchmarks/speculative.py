@@ -1,0 +1,143 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding in `generate`: tokens/s
+side by side, acceptance and tokens per verification, on a copy-heavy and a plain
+continuation workload, at batch 1 and 8.
+
+Usage:
+  nice -n 10 .venv/bin/python benchmarks/speculative.py
+  gpt-jax bench speculative --preset gpt2 --batch 1 --max-new-tokens 32
+  gpt-jax bench speculative --run-dir runs/shakespeare-char
+
+Workloads (greedy): (a) copy-heavy: a document D, the model's own greedy continuation of a
+seed prompt, placed in the prompt twice over ("D D[:half]"), so the text to write is in
+the prompt (a model that has learned to copy, as a trained one has, repeats it); (b) plain
+continuation of random prompts. Without `--run-dir` the weights are random (`--scale`
+sharpens them; a random model copies only where its own output loops). Each configuration
+is compiled first, then off and on are timed in alternating rounds (`--repeats`, median
+reported) in one process, with the load average printed. Writes
+benchmarks/results/speculative.json and .png and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from gpt_jax import GPTConfig, init_params
+from gpt_jax.checkpoint import load_params
+from inference import SamplingParams, generate
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def load_model(args):
+    """`(params, config, source)`: a trained run's checkpoint or random weights."""
+    if args.run_dir:
+        config, params, _ = load_params(args.run_dir)
+        return params, config, f"run {args.run_dir}"
+    config = dataclasses.replace(GPTConfig.preset(args.preset), max_seq_len=args.max_seq_len)
+    params = init_params(config, jax.random.key(0))
+    params = jax.tree.map(lambda x: x * args.scale if x.ndim >= 2 else x, params)
+    return params, config, f"random {args.preset} (context {args.max_seq_len}) x{args.scale}"
+
+
+def workloads(params, config, batch: int, new: int, rng) -> dict[str, list[list[int]]]:
+    """The prompts of each workload (see the module docstring)."""
+    seeds = [rng.integers(0, config.vocab_size, 8).tolist() for _ in range(batch)]
+    doc_len = min(2 * new, (config.max_seq_len - new) * 2 // 3)
+    docs = generate(params, config, seeds, SamplingParams(temperature=0,
+                                                         max_new_tokens=doc_len))
+    copy = [s + d.tokens + (s + d.tokens)[: len(d.tokens) // 2] for s, d in zip(seeds, docs)]
+    plain = [rng.integers(0, config.vocab_size, 16).tolist() for _ in range(batch)]
+    return {"copy": copy, "plain": plain}
+
+
+def run_once(params, config, prompts, sampling):
+    tick = time.perf_counter()
+    outs = generate(params, config, prompts, sampling)
+    return time.perf_counter() - tick, outs
+
+
+def measure(params, config, prompts, new: int, k: int, repeats: int) -> dict:
+    """Median tokens/s off and on, alternated, and the speculative counts."""
+    off = SamplingParams(temperature=0, max_new_tokens=new)
+    on = SamplingParams(temperature=0, max_new_tokens=new, speculative="ngram",
+                        num_speculative_tokens=k)
+    run_once(params, config, prompts, off), run_once(params, config, prompts, on)  # compile
+    times = {"off": [], "on": []}
+    for _ in range(repeats):
+        for name, sp in (("off", off), ("on", on)):
+            seconds, outs = run_once(params, config, prompts, sp)
+            times[name].append(seconds)
+            if name == "on":
+                counts = [o.speculation for o in outs]
+                tokens = sum(len(o.tokens) for o in outs)
+    drafted, accepted = (sum(c[key] for c in counts) for key in ("drafted", "accepted"))
+    off_s, on_s = statistics.median(times["off"]), statistics.median(times["on"])
+    return {"tokens": tokens, "off_tokens_per_s": tokens / off_s,
+            "on_tokens_per_s": tokens / on_s, "speedup": off_s / on_s,
+            "acceptance": accepted / drafted if drafted else 0.0,
+            "tokens_per_step": tokens / sum(c["steps"] for c in counts)}
+
+
+def plot(rows, path: Path, title: str) -> None:
+    import matplotlib  # noqa: PLC0415 (only to plot)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    labels = [f"{r['workload']}\nbatch {r['batch']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, [r["speedup"] for r in rows], color="tab:blue")
+    ax.axhline(1.0, color="gray", lw=1)
+    for i, r in enumerate(rows):
+        ax.text(i, r["speedup"], f"{r['speedup']:.2f}x\nacc {r['acceptance']:.0%}",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens/s, speculative / off")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", default=None, help="a trained run (default: random)")
+    parser.add_argument("--preset", default="shakespeare-char")
+    parser.add_argument("--max-seq-len", type=int, default=256)
+    parser.add_argument("--scale", type=float, default=3.0)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--name", default="speculative")
+    args = parser.parse_args(argv)
+    params, config, source = load_model(args)
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in args.batch:
+        for workload, prompts in workloads(params, config, batch, args.max_new_tokens,
+                                           rng).items():
+            row = measure(params, config, prompts, args.max_new_tokens, args.k, args.repeats)
+            rows.append({"workload": workload, "batch": batch, **row})
+            print(f"{workload:6} batch {batch}: off {row['off_tokens_per_s']:8.1f} tok/s  "
+                  f"on {row['on_tokens_per_s']:8.1f} tok/s  {row['speedup']:.2f}x  "
+                  f"acceptance {row['acceptance']:.0%}  tokens/step "
+                  f"{row['tokens_per_step']:.2f}", flush=True)
+    load = os.getloadavg()
+    print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    RESULTS.mkdir(exist_ok=True)
+    result = {"model": source, "k": args.k, "max_new_tokens": args.max_new_tokens,
+              "repeats": args.repeats, "load_average": load, "rows": rows}
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, RESULTS / f"{args.name}.png", f"n-gram speculation, k={args.k}, {source}, "
+         f"load {load[0]:.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Speculative decoding in `Engine`: the chunk program (`engine_speculate`, CHUNK speculative
+steps of `inference.speculative` for the first `decode_rows` slots) and `SpecSlots`, the
+host's per-slot settings, adaptive state and counters.
+
+A row's drafts come from its window of last tokens (`DecodeState.window`, which the Engine
+keeps for every row) and its draft length from its adaptive state; neither reads another
+row, so a greedy request's tokens never depend on its neighbours. A preempted request
+starts drafting afresh when admitted again, and its next token comes with the prefill as
+usual: a sampled speculative request then keeps its distribution but not, token for token,
+the draws of an uninterrupted run. A "crop" request does not speculate, and a chunk in
+which such a request may reach its context runs the plain decode chunk for every row.
+
+Shapes: the letters of `gpt_jax.model`; K the drafts per step, the widest running k.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inference.batching import _first_rows, _put_first_rows
+from inference.decode import CHUNK, DecodeState
+from inference.speculative import PAUSE_START, SpecArrays, SpecState, speculative_step
+from inference.verify import verifier
+
+
+@functools.partial(jax.jit, static_argnames=("config", "n_rows", "width", "pad_id"),
+                   donate_argnames=("state", "spec"))
+def engine_speculate(params, config, state: DecodeState, spec: SpecState, page_table, live_B,
+                     rows, stops, arrays: SpecArrays, *, n_rows: int, width: int, pad_id: int):
+    """CHUNK speculative steps for the first `n_rows` slots (as `batching.engine_decode`:
+    rows not `live_B` are finished first), verifying up to `width` drafts per row and step
+    within each row's pages. `state` and `spec` are donated. Returns `(state, spec)`."""
+    state = state.replace(model=state.model.replace(page_table=page_table),
+                          done=state.done | ~live_B)
+    first = lambda x: x[:n_rows]  # noqa: E731
+    sub = _first_rows(state, n_rows)
+    owned_B = (sub.model.page_table >= 0).sum(-1) * sub.model.page_size
+    limit_B = jnp.minimum(owned_B, config.max_seq_len)  # positions the row's pages hold
+    verify_fn = verifier(params, config)
+    row_args = (jax.tree.map(first, rows), jax.tree.map(first, stops),
+                jax.tree.map(first, arrays))
+
+    def step(carry, _):
+        return speculative_step(*carry, verify_fn, *row_args, width=width, limit=limit_B,
+                                pad_id=pad_id), None
+
+    sub, sub_spec = jax.lax.scan(step, (sub, jax.tree.map(first, spec)), None, length=CHUNK)[0]
+    put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis=0)  # noqa: E731
+    return _put_first_rows(state, sub), jax.tree.map(put, spec, sub_spec)
+
+
+class SpecSlots:
+    """The Engine's speculative side: each slot's adaptive state and counters on the
+    device (`SpecState`; the counters are totals over every request the slot has held)."""
+
+    def __init__(self, max_slots: int):
+        zeros = jnp.zeros((max_slots,), jnp.int32)
+        # one buffer per field: the chunk program donates them
+        self.state = jax.tree.map(jnp.copy, SpecState.init(SpecArrays(zeros, zeros, zeros)))
+
+    @staticmethod
+    def arrays(active, max_slots: int, max_seq_len: int) -> SpecArrays:
+        """Per-slot settings of the active sequences; a "crop" request (one that may outgrow
+        the context) and a free slot do not speculate."""
+        k, lo, hi = (np.zeros(max_slots, np.int32) for _ in range(3))
+        for q in active:
+            sp = q.sampling
+            fits = len(q.prompt) + sp.max_new_tokens <= max_seq_len
+            k[q.slot] = sp.num_speculative_tokens if sp.speculative and fits else 0
+            lo[q.slot], hi[q.slot] = sp.prompt_lookup_min, sp.prompt_lookup_max
+        return SpecArrays(*map(jnp.asarray, (k, lo, hi)))
+
+    def insert(self, slots: list[int], arrays: SpecArrays) -> None:
+        """Sequences joining the decode batch at `slots` (new, or preempted and admitted
+        again) start drafting afresh."""
+        if slots:
+            at = jnp.asarray(slots)
+            s = self.state
+            self.state = s.replace(k=s.k.at[at].set(arrays.k_max[at]),
+                                   pause=s.pause.at[at].set(0),
+                                   backoff=s.backoff.at[at].set(PAUSE_START))
+
+    def stats(self) -> dict:
+        """Totals over every request so far: drafted and accepted tokens, the acceptance
+        rate, and the mean tokens a speculative row emitted per verification."""
+        s = jax.device_get(self.state)
+        drafted, accepted, verified = (int(x.sum()) for x in (s.drafted, s.accepted,
+                                                              s.verifications))
+        return {"spec_drafted_tokens": drafted, "spec_accepted_tokens": accepted,
+                "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "spec_tokens_per_verification": (accepted + verified) / verified
+                if verified else 0.0}
+

@@ -1,0 +1,255 @@
+"""Speculative decoding inside the compiled decode loop: n-gram (prompt lookup) proposal,
+verification of the drafts against the target model's distribution, and each row's
+adaptive draft length.
+
+One speculative step per row: propose up to k tokens by finding the row's last n tokens
+earlier in its prompt and output and copying what followed them (prompt lookup decoding,
+Saxena 2023; vLLM's `NgramProposer`), feed the last sampled token and the drafts (k + 1
+positions) through the cache in one forward (`inference.verify`), then walk the positions
+in order: position j's distribution p is the target's after every sampling transform of
+`inference.sampling` (logit_bias, min_tokens, penalties counting the drafts accepted before
+j, temperature, top-k/p, min-p), and a drafted token x drawn from q is accepted with
+probability min(1, p(x)/q(x)); the first rejection emits a token from the residual
+max(0, p - q), normalized, and a run of accepted drafts ends with one token from p
+(Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating LLM decoding with speculative sampling"). The emitted
+tokens are then distributed as without speculation. For an n-gram draft q is one-hot at x:
+accept with probability p(x), else draw from p without x. A greedy row's p is one-hot at
+its argmax, so it emits exactly the tokens of greedy decoding. Each emitted token is
+recorded as decoding records one (`inference.decode.record_token`): EOS, stop sequences,
+max_new_tokens and log-probs (from the target's raw logits) act inside an accepted run
+exactly as they would token by token, and a row that stops there emits nothing after.
+
+Random draws come from the row's key at the token's step (`sampling.row_keys`: seed,
+prompt hash, sample index, step): a position without a draft draws exactly as
+non-speculative sampling does; the acceptance test and the residual draw use that key
+folded with 1 and 2. Rows decide alone: drafts, acceptance and draft length read only the
+row's own tokens.
+
+Adaptive draft length: a row starts at its `num_speculative_tokens`; a verification that
+accepts every draft raises k by one (up to that), one that accepts none lowers it by one;
+at zero the row pauses drafting for PAUSE_START steps, doubling (to PAUSE_MAX) while its
+drafts keep failing, then tries k = 1 again. A chunk step where no row drafts runs the
+plain decode step (`inference.verify.verifier`).
+
+Shapes: the letters of `gpt_jax.model`, W a row's window of its last tokens
+(`inference.decode`), and here G the n-gram length and K the drafts per step (the batch's
+widest k, static).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from inference import stopping
+from inference.decode import CHUNK, DecodeState, record_token
+from inference.sampling import greedy_tokens, prepare_logits, row_keys, scaled_logits
+from inference.sampling_params import MAX_NGRAM
+
+PAUSE_START = 8  # steps a row waits before drafting again, the first time its k reaches 0
+PAUSE_MAX = 256  # the longest wait, reached by doubling while drafts keep failing
+
+
+@struct.dataclass
+class SpecArrays:
+    """Per-row speculative decoding settings as arrays (traced: no recompile per value)."""
+
+    k_max: jax.Array  # [B] int32, the row's num_speculative_tokens; 0 = not speculative
+    ngram_min: jax.Array  # [B] int32, shortest n-gram to match
+    ngram_max: jax.Array  # [B] int32, longest n-gram to match
+
+    @classmethod
+    def from_params(cls, rows):
+        """The arrays of these rows' SamplingParams."""
+        col = lambda f: jnp.asarray(np.array([f(r) for r in rows], np.int32))  # noqa: E731
+        return cls(k_max=col(lambda r: r.num_speculative_tokens if r.speculative else 0),
+                   ngram_min=col(lambda r: r.prompt_lookup_min),
+                   ngram_max=col(lambda r: r.prompt_lookup_max))
+
+
+def width_of(rows) -> int:
+    """K, the drafts a step verifies per row: the widest speculative row's k (0: none)."""
+    return max((r.num_speculative_tokens for r in rows if r.speculative), default=0)
+
+
+@struct.dataclass
+class SpecState:
+    """Each row's draft length and counters."""
+
+    k: jax.Array  # [B] int32, drafts to propose at the next step (adaptive)
+    pause: jax.Array  # [B] int32, steps left before the row drafts again
+    backoff: jax.Array  # [B] int32, the next pause
+    drafted: jax.Array  # [B] int32, drafted tokens verified
+    accepted: jax.Array  # [B] int32, of those, accepted
+    verifications: jax.Array  # [B] int32, steps in which the row verified drafts
+    steps: jax.Array  # [B] int32, forward steps the row ran
+
+    @classmethod
+    def init(cls, arrays: SpecArrays):
+        zeros = jnp.zeros_like(arrays.k_max)
+        return cls(k=arrays.k_max, pause=zeros, backoff=jnp.full_like(zeros, PAUSE_START),
+                   drafted=zeros, accepted=zeros, verifications=zeros, steps=zeros)
+
+
+def ngram_propose(window_BW, n_hist_B, ngram_min_B, ngram_max_B, width: int):
+    """Prompt lookup: for each row, the longest n in [ngram_min, ngram_max] whose last n
+    tokens occur earlier in its history, and the (up to `width`) tokens that followed the
+    latest such occurrence.
+
+    Args:
+      window_BW: int32, each row's last W tokens, the newest last (right-aligned).
+      n_hist_B: int32, how many of them are the row's (the rest, on the left, is padding).
+    Returns:
+      `(drafts_BK, available_B)`: int32 `[B, width]` drafted tokens, and how many of them
+      are real (0: no match).
+    """
+    B, W = window_BW.shape
+    at_W = jnp.arange(W)
+    best_B, found_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
+    for n in range(MAX_NGRAM, 0, -1):  # longest first: the first size that matches wins
+        match_BW = (at_W[None, :] >= W - n_hist_B[:, None]) & (at_W[None, :] + n < W)
+        for j in range(n):  # token i + j equals the suffix's token j
+            shifted_BW = jnp.pad(window_BW[:, j:], ((0, 0), (0, j)), constant_values=-1)
+            match_BW &= shifted_BW == window_BW[:, W - n + j][:, None]
+        latest_B = jnp.max(jnp.where(match_BW, at_W[None, :], -1), axis=-1)
+        use_B = ~found_B & (latest_B >= 0) & (ngram_min_B <= n) & (n <= ngram_max_B)
+        best_B = jnp.where(use_B, latest_B + n, best_B)  # where the continuation starts
+        found_B |= use_B
+    at_BK = best_B[:, None] + jnp.arange(width)[None, :]
+    drafts_BK = jnp.take_along_axis(window_BW, jnp.clip(at_BK, 0, W - 1), axis=1)
+    available_B = jnp.where(found_B, jnp.minimum(W - best_B, width), 0)
+    return drafts_BK.astype(jnp.int32), available_B.astype(jnp.int32)
+
+
+def residual_probs(p_V, q_V):
+    """The residual distribution after a rejected draft, unnormalized: max(0, p - q)."""
+    return jnp.maximum(p_V - q_V, 0.0)
+
+
+def verify_draft(key, scaled_V, draft, has_draft, q_V):
+    """One sampled row's token at one position: without a draft, a draw from `scaled_V`
+    with `key` (exactly `sampling.sample`'s draw); with one, the draft accepted with
+    probability min(1, p(x)/q(x)), else a draw from `residual_probs` (p = softmax of
+    `scaled_V`, q = `q_V`, the draft's distribution). Returns int32 scalar."""
+    plain = jax.random.categorical(key, scaled_V)
+    p_V = jax.nn.softmax(scaled_V)
+    u = jax.random.uniform(jax.random.fold_in(key, 1))
+    accept = u * q_V[draft] < p_V[draft]
+    residual = jax.random.categorical(jax.random.fold_in(key, 2),
+                                      jnp.log(residual_probs(p_V, q_V)))
+    return jnp.where(has_draft, jnp.where(accept, draft, residual), plain).astype(jnp.int32)
+
+
+def choose(state: DecodeState, logits_BV, draft_B, has_B, q_BV, rows, stops, pad_id):
+    """The token each row emits at its current step, from the target's raw `logits_BV`
+    after every sampling transform (as `decode.sample_and_record` samples), given its draft
+    `draft_B` where `has_B` (drawn from `q_BV`). A greedy row emits its argmax (so a draft
+    is accepted iff it is that). Returns int32 `[B]`."""
+    logits_BV = stopping.ban_early_eos(logits_BV, state.step, stops)
+    penalized_BV, finite_B = prepare_logits(logits_BV, rows, state.prompt_seen,
+                                            state.output_counts)
+    greedy_B = greedy_tokens(penalized_BV)
+    sampled_B = rows.temperature > 0
+
+    def draw(penalized_BV):
+        keys_B = row_keys(rows.seed, rows.prompt_hash, rows.sample_index, state.step)
+        return jax.vmap(verify_draft)(keys_B, scaled_logits(penalized_BV, rows), draft_B,
+                                      has_B, q_BV)
+
+    drawn_B = jax.lax.cond(sampled_B.any(), draw, lambda _: greedy_B, penalized_BV)
+    return jnp.where(finite_B, jnp.where(sampled_B, drawn_B, greedy_B), pad_id)
+
+
+def draft_lengths(state: DecodeState, spec: SpecState, arrays: SpecArrays, stops, width: int,
+                  limit):
+    """`(drafts_BK, k_B)`: each running row's n-gram drafts and how many to verify: at most
+    its adaptive k (none while paused), the match's length, one less than the tokens it
+    may still emit, and what fits below `limit` (int or `[B]`: positions its cache holds)."""
+    lengths_B = state.model.lengths
+    n_hist_B = jnp.minimum(state.window.shape[1], lengths_B + 1)
+    drafts_BK, available_B = ngram_propose(state.window, n_hist_B, arrays.ngram_min,
+                                           arrays.ngram_max, width)
+    room_B = jnp.minimum(stops.max_new_tokens - state.num_tokens, limit - lengths_B) - 1
+    k_B = jnp.minimum(jnp.minimum(spec.k, available_B), room_B)
+    return drafts_BK, jnp.where(~state.done & (spec.pause == 0), jnp.maximum(k_B, 0), 0)
+
+
+def adapt(spec: SpecState, arrays: SpecArrays, k_B, accepted_B, ran_B) -> SpecState:
+    """The counters and next draft length after a step that verified `k_B` drafts per row
+    and accepted `accepted_B` (see the module docstring)."""
+    verified_B = k_B > 0
+    all_B, none_B = verified_B & (accepted_B == k_B), verified_B & (accepted_B == 0)
+    k_next_B = jnp.where(all_B, jnp.minimum(spec.k + 1, arrays.k_max),
+                         jnp.where(none_B, spec.k - 1, spec.k))
+    stopped_B = none_B & (k_next_B <= 0)
+    return spec.replace(
+        k=jnp.where(stopped_B, jnp.minimum(1, arrays.k_max), k_next_B),
+        pause=jnp.where(stopped_B, spec.backoff, jnp.maximum(spec.pause - ran_B, 0)),
+        backoff=jnp.where(stopped_B, jnp.minimum(2 * spec.backoff, PAUSE_MAX),
+                          jnp.where(accepted_B > 0, PAUSE_START, spec.backoff)),
+        drafted=spec.drafted + k_B, accepted=spec.accepted + accepted_B,
+        verifications=spec.verifications + verified_B, steps=spec.steps + ran_B)
+
+
+def speculative_step(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
+                     arrays: SpecArrays, *, width: int, limit, pad_id: int):
+    """One speculative step for every running row: propose, verify in one forward
+    (`verify_fn`, `inference.verify.verifier`), emit and record the accepted drafts and one
+    more token, set the row's cache length to what it accepted. Returns `(state, spec)`."""
+    running_B = ~state.done
+    drafts_BK, k_B = draft_lengths(state, spec, arrays, stops, width, limit)
+    lengths_B = state.model.lengths
+    fed_BT = jnp.concatenate([state.next_token[:, None], drafts_BK], axis=1)
+    logits_BTV, cache = verify_fn(fed_BT, state.model, jnp.where(running_B, k_B + 1, 0))
+    V = logits_BTV.shape[-1]
+    drafts_BT = jnp.pad(drafts_BK, ((0, 0), (0, 1)))  # position `width` has no draft
+
+    def position(carry):  # the fed positions in order, while some row's run goes on
+        j, state, alive_B, emitted_B, accepted_B = carry
+        draft_B, logits_BV = drafts_BT[:, j], logits_BTV[:, j]
+        has_B = alive_B & (j < k_B)
+        token_B = choose(state, logits_BV, draft_B, has_B, jax.nn.one_hot(draft_B, V), rows,
+                         stops, pad_id)
+        state = record_token(state, token_B, logits_BV, alive_B, rows, stops, pad_id)
+        hit_B = has_B & (token_B == draft_B)
+        return (j + 1, state, alive_B & hit_B & ~state.done, emitted_B + alive_B,
+                accepted_B + hit_B)
+
+    zeros_B = jnp.zeros_like(k_B)
+    # a loop, not unrolled: one copy of the sampling code to compile, and it stops at the
+    # last position any row reached (a step without drafts samples once); the cache stays
+    # outside it
+    _, state, _, emitted_B, accepted_B = jax.lax.while_loop(
+        lambda c: c[2].any(), position,
+        (0, state.replace(model=None), running_B, zeros_B, zeros_B))
+    state = state.replace(model=cache)
+    cache = state.model.replace(lengths=jnp.where(running_B, lengths_B + emitted_B,
+                                                  state.model.lengths))
+    return state.replace(model=cache), adapt(spec, arrays, k_B, accepted_B, running_B)
+
+
+def speculative_loop(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
+                     arrays: SpecArrays, *, width: int, limit, pad_id: int):
+    """Chunks of CHUNK speculative steps (`lax.scan`) inside a `lax.while_loop` until every
+    row has finished, as `inference.decode.decode_loop`. Returns `(state, spec)`."""
+    def step(carry, _):
+        return speculative_step(*carry, verify_fn, rows, stops, arrays, width=width,
+                                limit=limit, pad_id=pad_id), None
+
+    return jax.lax.while_loop(lambda c: ~c[0].done.all(),
+                              lambda c: jax.lax.scan(step, c, None, length=CHUNK)[0],
+                              (state, spec))
+
+
+def with_counts(completions, requests, spec: SpecState):
+    """`completions` (one per decode row, in order) with each speculative request's counts
+    from the host copy of the final `spec` (`generation.Completion.speculation`)."""
+    for b, (completion, sp) in enumerate(zip(completions, requests)):
+        if sp.speculative:
+            completion.speculation = {"drafted": int(spec.drafted[b]),
+                                      "accepted": int(spec.accepted[b]),
+                                      "steps": int(spec.steps[b])}
+    return completions
