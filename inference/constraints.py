@@ -1,0 +1,262 @@
+"""Structured output, compiled on the host: a request's constraint (`SamplingParams.json_schema`,
+`regex`, `choice` or `json_object`) becomes a regular expression, outlines-core turns that into
+a deterministic automaton over the model's token ids (`outlines_core.Index`; the method of
+Willard & Louf 2023, "Efficient Guided Generation for Large Language Models"), and this module
+lays the automaton out as arrays that the compiled loop indexes (`inference.constraint_mask`).
+
+Why outlines-core: of the three maintained libraries (outlines-core, llguidance, xgrammar) it
+is the one that hands over the whole token-level automaton (`Index.get_transitions()`: state
+-> {token id: next state}), which is what a device-side table needs. llguidance and xgrammar
+run a grammar parser (Earley, pushdown automaton) and compute each step's token mask on the
+host from the text so far: the per-token host round trip this design exists to avoid. A JSON
+schema is compiled to a regex first (outlines-core's `build_regex_from_schema`), so it must
+describe a regular language; the schema's integer bounds, which that compiler ignores, are
+rewritten here as an `enum` of the allowed integers (`_bounded_integers`), or refused.
+
+Layout (`Automaton`): states are renumbered with the initial one 0. Tokens whose columns of
+the transition table are identical in every state share a class (`token_class`, `[V]`), so
+the table is `next_state [S, C]` over C classes (dead = -1) plus `accepting [S]`; class 0 holds
+every token no state takes (special tokens, ids past the tokenizer's vocabulary). A nested
+schema over GPT-2's 50,257 tokens has a few hundred states and about a hundred classes
+(benchmarks/README.md, "Structured output").
+
+Compiled automata are cached by (regex, tokenizer) in a bounded LRU (`CACHE_SIZE`), so a
+server compiles each schema once. EOS ids are not part of the automaton: the decode loop
+allows a row's EOS ids exactly in accepting states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import weakref
+from collections import defaultdict
+
+import numpy as np
+
+from inference.errors import RequestError
+
+CACHE_SIZE = 64  # compiled automata kept (each a few hundred KB over a 50k vocabulary)
+WHITESPACE = r"[ ]?"  # JSON's optional whitespace: at most one space, so outputs stay short
+MAX_ENUM = 1024  # an integer range of at most this many values becomes an enum
+FIELDS = ("json_schema", "regex", "choice", "json_object")  # SamplingParams' constraint fields
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")  # what Rust's regex_syntax::escape escapes
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Automaton:
+    """One constraint's token-level DFA as arrays (hashed by identity: the cache hands out
+    one object per constraint). State 0 is the initial state."""
+
+    token_class: np.ndarray  # [V] int32, each token's class (0: no state takes it)
+    next_state: np.ndarray  # [S, C] int32, next state per (state, class); -1 = dead
+    accepting: np.ndarray  # [S] bool, the text so far matches
+
+    @property
+    def ends(self) -> np.ndarray:
+        """bool `[S]`: accepting with no live token, so a row there has finished."""
+        return self.accepting & ~(self.next_state >= 0).any(axis=1)
+
+    def walk(self, tokens) -> int:
+        """The state after `tokens` from the initial state (a resumed row's state); EOS ids
+        and tokens past the end leave it where it is."""
+        state = 0
+        for token in tokens:
+            after = int(self.next_state[state, self.token_class[token]])
+            state = after if after >= 0 else state
+        return state
+
+
+def constraint_regex(sampling, request=None) -> tuple[str, str] | None:
+    """`(field, regex)` of a request's constraint (`FIELDS`), or None when it has none.
+    Raises RequestError naming the part of a JSON schema that cannot be compiled (and the
+    request, `RequestError.request`)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    if sampling.regex is not None:
+        return "regex", sampling.regex
+    if sampling.choice is not None:
+        return "choice", "|".join(_escape(c) for c in sampling.choice)
+    if sampling.json_schema is None and not sampling.json_object:
+        return None
+    field = "json_schema" if sampling.json_schema is not None else "json_object"
+    schema = json.loads(sampling.json_schema) if field == "json_schema" else {"type": "object"}
+    try:
+        bounded = _bounded_integers(schema, "#", request)
+        return field, build_regex_from_schema(json.dumps(bounded), WHITESPACE)
+    except ValueError as e:  # outlines-core says which keyword or reference it rejects
+        if isinstance(e, RequestError):
+            raise
+        raise _error(field, _short(sampling.json_schema), "a JSON schema outlines-core "
+                     "compiles", "{field} cannot be compiled: " + _braces(e), request) from None
+
+
+def _error(field, value, allowed, problem, request) -> RequestError:
+    """A RequestError naming the request when there is one (`RequestError.request`)."""
+    if request is None:
+        return RequestError(field, value, allowed, problem=problem)
+    return RequestError(field, value, allowed, problem="{request}: " + problem, owner="",
+                        request=request)
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def _braces(error: Exception) -> str:
+    """The library's message, its braces escaped for `RequestError`'s format strings."""
+    return str(error).replace("{", "{{").replace("}", "}}")
+
+
+def _short(value) -> str:
+    return value if value is None or len(value) <= 80 else value[:77] + "..."
+
+
+def _bounded_integers(node, path: str, request=None):
+    """`node` with each integer schema's bounds as an enum of its values (outlines-core
+    ignores minimum and maximum). Raises RequestError for bounds it cannot keep: a range
+    of more than MAX_ENUM integers, a one-sided bound, or a bounded number."""
+    if isinstance(node, list):
+        return [_bounded_integers(x, f"{path}/{i}", request) for i, x in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _bounded_integers(v, f"{path}/{k}", request) for k, v in node.items()}
+    bounds = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & node.keys()
+    if not bounds:
+        return node
+    low = node.get("minimum", node.get("exclusiveMinimum", -np.inf) + 1)
+    high = node.get("maximum", node.get("exclusiveMaximum", np.inf) - 1)
+    if node.get("type") != "integer" or not high - low < MAX_ENUM:
+        raise _error("json_schema", f"{path}: {', '.join(sorted(bounds))}",
+                     f"bounds on integers only, both given, at most {MAX_ENUM} values",
+                     "{field} at {value} cannot be enforced", request)
+    rest = {k: v for k, v in node.items() if k not in bounds | {"type"}}
+    return {**rest, "enum": list(range(int(np.ceil(low)), int(np.floor(high)) + 1))}
+
+
+class _Vocab:
+    """A tokenizer's token strings as an outlines-core `Vocabulary`, hashed by their
+    content (the compile cache's key), with the model's vocab size."""
+
+    def __init__(self, pieces: list[bytes | None], vocab_size: int):
+        from outlines_core import Vocabulary
+
+        by_text = defaultdict(list)
+        for token, piece in enumerate(pieces[:vocab_size]):
+            if piece:  # special tokens and empty pieces are never live
+                by_text[piece].append(token)
+        # outlines-core wants an EOS id outside the map; EOS is ours to handle (vocab_size)
+        self.vocabulary = Vocabulary(vocab_size, dict(by_text))
+        self.vocab_size = vocab_size
+        digest = hashlib.sha256(repr((sorted(by_text.items()), vocab_size)).encode())
+        self.key = digest.hexdigest()
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Vocab) and other.key == self.key
+
+
+_VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _vocab(tokenizer, vocab_size: int) -> _Vocab:
+    """The tokenizer's `_Vocab` (made once per tokenizer object and vocab size)."""
+    per_size = _VOCABS.setdefault(tokenizer, {})
+    if vocab_size not in per_size:
+        per_size[vocab_size] = _Vocab(token_bytes(tokenizer), vocab_size)
+    return per_size[vocab_size]
+
+
+def token_bytes(tokenizer) -> list[bytes | None]:
+    """Each token id's bytes (None for special tokens): `gpt_jax.tokenizer.CharTokenizer`'s
+    characters, or a `BPETokenizer`'s pieces, byte-level (GPT-2's byte-to-unicode alphabet)
+    or SentencePiece-style (`▁` for a space, `<0xNN>` byte fallback)."""
+    if hasattr(tokenizer, "chars"):
+        return [c.encode() for c in tokenizer.chars]
+    tok = tokenizer.tokenizer
+    special = {a.content for a in tok.get_added_tokens_decoder().values()}
+    byte_level = type(tok.decoder).__name__ == "ByteLevel"
+    to_byte = {c: b for b, c in _gpt2_byte_alphabet().items()}
+    out = []
+    for token in range(tok.get_vocab_size()):
+        piece = tok.id_to_token(token)
+        if piece is None or piece in special:
+            out.append(None)
+        elif byte_level:
+            out.append(bytes(to_byte[c] for c in piece))
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out.append(bytes([int(piece[3:5], 16)]))
+        else:
+            out.append(piece.replace("\u2581", " ").encode())
+    return out
+
+
+@functools.cache
+def _gpt2_byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (Radford et al. 2019, `bytes_to_unicode`)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def automaton(sampling, tokenizer, vocab_size: int, request=None) -> Automaton | None:
+    """The request's compiled automaton over `vocab_size` token ids (cached), or None when it
+    has no constraint. Raises RequestError naming the field (and `request`): a schema or
+    regex the library rejects, one that no text of this vocabulary can match, or no
+    tokenizer."""
+    found = constraint_regex(sampling, request)
+    if found is None:
+        return None
+    field, regex = found
+    value = getattr(sampling, field)
+    value = _short(value) if isinstance(value, str) else value
+    if tokenizer is None:
+        raise _error(field, value, "a tokenizer", "{field} needs the token strings: pass "
+                     "tokenizer= (generate, Engine) or use LLM", request)
+    try:
+        return _compile(regex, _vocab(tokenizer, vocab_size))
+    except ValueError as e:
+        raise _error(field, value, "a pattern that some text of the tokenizer's tokens "
+                     "matches", "{field}={value!r} cannot be compiled: " + _braces(e),
+                     request) from None
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _compile(regex: str, vocab: _Vocab) -> Automaton:
+    from outlines_core import Index
+
+    index = Index(regex, vocab.vocabulary)
+    table = _layout(index, vocab.vocab_size)
+    if not (table.next_state[0] >= 0).any():
+        raise ValueError("it matches no non-empty text")
+    return table
+
+
+def _layout(index, vocab_size: int) -> Automaton:
+    """The `Automaton` arrays of an outlines-core Index: states renumbered (initial 0),
+    tokens grouped into classes by their transition columns."""
+    transitions = index.get_transitions()
+    initial = index.get_initial_state()
+    seen = set(transitions) | set(index.get_final_states())
+    seen |= {n for row in transitions.values() for n in row.values()}
+    number = {s: i for i, s in enumerate([initial] + sorted(seen - {initial}))}
+    columns = defaultdict(list)
+    for s, row in transitions.items():
+        for token, after in row.items():
+            if token < vocab_size:  # vocab_size itself is the library's EOS
+                columns[token].append((number[s], number[after]))
+    classes: dict[tuple, int] = {}
+    token_class = np.zeros(vocab_size, np.int32)
+    for token, column in columns.items():
+        token_class[token] = classes.setdefault(tuple(sorted(column)), len(classes) + 1)
+    next_state = np.full((len(number), len(classes) + 1), -1, np.int32)
+    for column, c in classes.items():
+        for s, after in column:
+            next_state[s, c] = after
+    accepting = np.zeros(len(number), bool)
+    accepting[[number[f] for f in index.get_final_states()]] = True
+    return Automaton(token_class, next_state, accepting)
