@@ -27,12 +27,12 @@ allows a row's EOS ids exactly in accepting states.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
 import json
 import weakref
-from collections import defaultdict
 
 import numpy as np
 
@@ -143,7 +143,7 @@ class _Vocab:
     def __init__(self, pieces: list[bytes | None], vocab_size: int):
         from outlines_core import Vocabulary
 
-        by_text = defaultdict(list)
+        by_text = collections.defaultdict(list)
         for token, piece in enumerate(pieces[:vocab_size]):
             if piece:  # special tokens and empty pieces are never live
                 by_text[piece].append(token)
@@ -204,28 +204,42 @@ def _gpt2_byte_alphabet() -> dict[int, str]:
 
 
 def automaton(sampling, tokenizer, vocab_size: int, request=None) -> Automaton | None:
-    """The request's compiled automaton over `vocab_size` token ids (cached), or None when it
-    has no constraint. Raises RequestError naming the field (and `request`): a schema or
-    regex the library rejects, one that no text of this vocabulary can match, or no
-    tokenizer."""
-    found = constraint_regex(sampling, request)
-    if found is None:
+    """The request's compiled automaton over `vocab_size` token ids, or None when it has no
+    constraint. Cached by (constraint, tokenizer): the last CACHE_SIZE are kept. Raises
+    RequestError naming the field (and `request`): a schema or regex the library rejects,
+    one that no text of this vocabulary can match, or no tokenizer."""
+    key = tuple(getattr(sampling, f) for f in FIELDS)
+    if key == (None, None, None, False):
         return None
-    field, regex = found
-    value = getattr(sampling, field)
-    value = _short(value) if isinstance(value, str) else value
     if tokenizer is None:
-        raise _error(field, value, "a tokenizer", "{field} needs the token strings: pass "
-                     "tokenizer= (generate, Engine) or use LLM", request)
+        field = FIELDS[[v not in (None, False) for v in key].index(True)]
+        raise _error(field, _value(sampling, field), "a tokenizer", "{field} needs the token "
+                     "strings: pass tokenizer= (generate, Engine) or use LLM", request)
+    vocab = _vocab(tokenizer, vocab_size)
+    if (key, vocab) in _CACHE:
+        _CACHE.move_to_end((key, vocab))
+        return _CACHE[key, vocab]
+    field, regex = constraint_regex(sampling, request)
     try:
-        return _compile(regex, _vocab(tokenizer, vocab_size))
+        table = _compile(regex, vocab)
     except ValueError as e:
-        raise _error(field, value, "a pattern that some text of the tokenizer's tokens "
-                     "matches", "{field}={value!r} cannot be compiled: " + _braces(e),
-                     request) from None
+        raise _error(field, _value(sampling, field), "a pattern that some text of the "
+                     "tokenizer's tokens matches", "{field}={value!r} cannot be compiled: "
+                     + _braces(e), request) from None
+    _CACHE[key, vocab] = table
+    if len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return table
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
+_CACHE: collections.OrderedDict = collections.OrderedDict()  # (constraint, _Vocab) -> Automaton
+
+
+def _value(sampling, field: str):
+    value = getattr(sampling, field)
+    return _short(value) if isinstance(value, str) else value
+
+
 def _compile(regex: str, vocab: _Vocab) -> Automaton:
     from outlines_core import Index
 
@@ -244,7 +258,7 @@ def _layout(index, vocab_size: int) -> Automaton:
     seen = set(transitions) | set(index.get_final_states())
     seen |= {n for row in transitions.values() for n in row.values()}
     number = {s: i for i, s in enumerate([initial] + sorted(seen - {initial}))}
-    columns = defaultdict(list)
+    columns = collections.defaultdict(list)
     for s, row in transitions.items():
         for token, after in row.items():
             if token < vocab_size:  # vocab_size itself is the library's EOS
