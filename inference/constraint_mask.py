@@ -29,7 +29,9 @@ from inference.constraints import Automaton
 from inference.scheduler import bucket
 from inference.stopping import UNUSED
 
-MIN_BUCKET = 8  # smallest padded S and C
+# smallest padded S and C: small tables (a choice, a flat schema) share one program, and at
+# 4 bytes an entry they are small beside a row's [V] token classes
+MIN_STATES, MIN_CLASSES = 64, 32
 BANKS_KEPT = 8  # device copies of recent row mixes (a server's batch changes slowly)
 
 
@@ -54,8 +56,8 @@ def constraint_arrays(automata: tuple[Automaton | None, ...],
     if all(a is None for a in automata):
         return None
     tables = [_FREE if a is None else a for a in automata]
-    S = bucket(max(t.next_state.shape[0] for t in tables), MIN_BUCKET)
-    C = bucket(max(t.next_state.shape[1] for t in tables), MIN_BUCKET)
+    S = bucket(max(t.next_state.shape[0] for t in tables), MIN_STATES)
+    C = bucket(max(t.next_state.shape[1] for t in tables), MIN_CLASSES)
     B = len(tables)
     token_class = np.zeros((B, vocab_size), np.int32)
     next_state = np.full((B, S, C), -1, np.int32)

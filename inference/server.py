@@ -194,10 +194,11 @@ async def _checked_prompts(body: CompletionRequest, engine: Engine,
     prompts = await asyncio.to_thread(_prompts, body, engine)  # long text: off the loop
     try:
         return [check_request(engine.config, p, sampling, request=i,
-                              page_size=engine.page_size, num_pages=engine.num_pages)
+                              page_size=engine.page_size, num_pages=engine.num_pages,
+                              tokenizer=engine.tokenizer)
                 for i, p in enumerate(prompts)]
     except RequestError as error:
-        raise request_error(error) from None
+        raise request_error(error, body) from None
 
 
 async def _chat_prompt(server: Server, body: ChatRequest,
@@ -352,9 +353,10 @@ def _completion_routes(app: FastAPI, server: Server) -> None:
                                  max(1, engine.config.max_seq_len - len(prompt)))
         try:
             prompt = check_request(engine.config, prompt, sampling, request=0,
-                                   page_size=engine.page_size, num_pages=engine.num_pages)
+                                   page_size=engine.page_size, num_pages=engine.num_pages,
+                                   tokenizer=engine.tokenizer)
         except RequestError as error:
-            raise request_error(error) from None
+            raise request_error(error, body) from None
         server.admit(1, sampling.n)
         return await _answer(server, body, [prompt], sampling, arrival, request, ChatShape)
 
