@@ -217,7 +217,8 @@ class LLM:
         sampling = crop_by_default(sampling)
         if self.eos_token_ids:  # else the requests go to validate untouched
             sampling = with_stop_ids(sampling, list(self.eos_token_ids))
-        token_prompts, per_prompt = validate(self.config, self._encode(prompts), sampling)
+        token_prompts, per_prompt = validate(self.config, self._encode(prompts), sampling,
+                                              tokenizer=self.tokenizer)
         return self._deltas(token_prompts, per_prompt, max_batch_size)
 
     def chat(self, conversations: list[list[dict]], sampling=None, *,

@@ -196,3 +196,83 @@ def test_bad_constraints_are_refused_by_name_before_any_work(char_model):
         SamplingParams(regex="a", choice=["a"])
     with pytest.raises(RequestError, match="choice"):
         SamplingParams(choice=[""])
+
+
+# ---------------------------------------------------------------------- the server
+
+SERVER_SLOTS = 8  # the server's engine and the solo reference's: the same programs
+
+
+@pytest.fixture(scope="module")
+def char_url(char_model):
+    from inference import Engine
+    from inference.server import ServerConfig
+    from serving import KEY, running, wait_ready
+
+    params, config, tokenizer = char_model
+    cfg = ServerConfig("char", api_key=KEY, max_queue=64)
+    with running(lambda: Engine(params, config, tokenizer, max_slots=SERVER_SLOTS), cfg) as url:
+        wait_ready(url)
+        yield url
+
+
+def test_64_concurrent_requests_with_8_schemas_each_valid_and_equal_to_solo(char_model,
+                                                                           char_url):
+    import asyncio
+
+    import openai
+
+    from inference import LLM
+    from serving import KEY
+
+    params, config, tokenizer = char_model
+    schemas = [SCHEMAS[i] for i in (0, 1, 2, 3, 6, 7, 10, 16)]
+    longest = {i: longest_output(automaton(SamplingParams(json_schema=s), tokenizer,
+                                           config.vocab_size)) for i, s in enumerate(schemas)}
+    requests = [(k % 8, f"{'ABCDEFGH'[k % 8]}{k}:\n", 1000 + k) for k in range(64)]
+    client = openai.AsyncOpenAI(base_url=f"{char_url}/v1", api_key=KEY, max_retries=0)
+
+    async def one(i, prompt, seed):
+        # half as OpenAI's response_format, half as vLLM's guided_json
+        extra = ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": f"s{i}", "schema": schemas[i], "strict": True}}} if seed % 2 else
+            {"guided_json": schemas[i]})
+        r = await client.completions.create(model="char", prompt=prompt, seed=seed,
+                                            max_tokens=longest[i], extra_body=extra)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    async def all_of_them():
+        async with client:  # a bound against a hang, not a speed test
+            return await asyncio.wait_for(asyncio.gather(*(one(*r) for r in requests)), 300)
+
+    results = asyncio.run(all_of_them())
+    llm = LLM(params, config, tokenizer)
+    for (i, prompt, seed), (text, reason) in zip(requests, results):
+        jsonschema.validate(json.loads(text), schemas[i])
+        ref = llm.generate([prompt], SamplingParams(json_schema=schemas[i], seed=seed,
+                                                    max_new_tokens=longest[i]),
+                           max_batch_size=SERVER_SLOTS, progress=False)[0]
+        assert (text, reason) == (ref.text, "stop"), prompt
+
+
+@pytest.mark.parametrize("field, value, param, named", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"x": {"type": "colour"}}}}}, "response_format",
+     "Unsupported type: colour"),
+    ("guided_json", {"properties": {"n": {"type": "integer", "maximum": 5}}}, "guided_json",
+     "#/properties/n: maximum"),
+    ("guided_regex", "\u03a9{2}", "guided_regex", "'\u03a9{2}'"),  # no token writes it
+    ("guided_regex", "a(", "guided_regex", "'a('"),
+    ("guided_choice", [], "guided_choice", "non-empty list"),
+    ("response_format", {"type": "xml"}, "response_format", "'xml'"),
+])
+def test_a_bad_constraint_is_a_400_naming_it(char_url, field, value, param, named):
+    import httpx2 as httpx
+
+    from serving import KEY
+
+    r = httpx.post(f"{char_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "char", "prompt": "A", field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and named in error["message"], error
