@@ -30,15 +30,15 @@ from inference.scheduler import bucket
 from inference.stopping import UNUSED
 
 # smallest padded S and C: small tables (a choice, a flat schema) share one program, and at
-# 4 bytes an entry they are small beside a row's [V] token classes
+# 2 bytes an entry they are small beside a row's [V] token classes
 MIN_STATES, MIN_CLASSES = 64, 32
 BANKS_KEPT = 8  # device copies of recent row mixes (a server's batch changes slowly)
 
 
 @struct.dataclass
 class ConstraintArrays:
-    token_class: jax.Array  # [B, V] int32, each token's class in the row's table
-    next_state: jax.Array  # [B, S, C] int32, next state per (state, class); -1 = dead
+    token_class: jax.Array  # [B, V] int16, each token's class in the row's table
+    next_state: jax.Array  # [B, S, C] int16, next state per (state, class); -1 = dead
     accepting: jax.Array  # [B, S] bool, the output so far is complete
     ends: jax.Array  # [B, S] bool, accepting with no live token: the row has finished
 
@@ -59,8 +59,8 @@ def constraint_arrays(automata: tuple[Automaton | None, ...],
     S = bucket(max(t.next_state.shape[0] for t in tables), MIN_STATES)
     C = bucket(max(t.next_state.shape[1] for t in tables), MIN_CLASSES)
     B = len(tables)
-    token_class = np.zeros((B, vocab_size), np.int32)
-    next_state = np.full((B, S, C), -1, np.int32)
+    token_class = np.zeros((B, vocab_size), np.int16)  # `constraints.MAX_SIZE` fits
+    next_state = np.full((B, S, C), -1, np.int16)
     accepting, ends = np.zeros((B, S), bool), np.zeros((B, S), bool)
     for b, t in enumerate(tables):
         s, c = t.next_state.shape

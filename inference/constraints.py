@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import threading
 import weakref
 
 import numpy as np
@@ -41,6 +42,7 @@ from inference.errors import RequestError
 CACHE_SIZE = 64  # compiled automata kept (each a few hundred KB over a 50k vocabulary)
 WHITESPACE = r"[ ]?"  # JSON's optional whitespace: at most one space, so outputs stay short
 MAX_ENUM = 1024  # an integer range of at most this many values becomes an enum
+MAX_SIZE = 2**15 - 1  # most states and token classes: the device tables are int16
 FIELDS = ("json_schema", "regex", "choice", "json_object")  # SamplingParams' constraint fields
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")  # what Rust's regex_syntax::escape escapes
 
@@ -215,10 +217,11 @@ def automaton(sampling, tokenizer, vocab_size: int, request=None) -> Automaton |
         field = FIELDS[[v not in (None, False) for v in key].index(True)]
         raise _error(field, _value(sampling, field), "a tokenizer", "{field} needs the token "
                      "strings: pass tokenizer= (generate, Engine) or use LLM", request)
-    vocab = _vocab(tokenizer, vocab_size)
-    if (key, vocab) in _CACHE:
-        _CACHE.move_to_end((key, vocab))
-        return _CACHE[key, vocab]
+    with _LOCK:  # the server checks requests in worker threads, the engine in its own
+        vocab = _vocab(tokenizer, vocab_size)
+        if (key, vocab) in _CACHE:
+            _CACHE.move_to_end((key, vocab))
+            return _CACHE[key, vocab]
     field, regex = constraint_regex(sampling, request)
     try:
         table = _compile(regex, vocab)
@@ -226,13 +229,15 @@ def automaton(sampling, tokenizer, vocab_size: int, request=None) -> Automaton |
         raise _error(field, _value(sampling, field), "a pattern that some text of the "
                      "tokenizer's tokens matches", "{field}={value!r} cannot be compiled: "
                      + _braces(e), request) from None
-    _CACHE[key, vocab] = table
-    if len(_CACHE) > CACHE_SIZE:
-        _CACHE.popitem(last=False)
+    with _LOCK:
+        _CACHE[key, vocab] = table
+        if len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
     return table
 
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()  # (constraint, _Vocab) -> Automaton
+_LOCK = threading.Lock()
 
 
 def _value(sampling, field: str):
@@ -247,30 +252,59 @@ def _compile(regex: str, vocab: _Vocab) -> Automaton:
     table = _layout(index, vocab.vocab_size)
     if not (table.next_state[0] >= 0).any():
         raise ValueError("it matches no non-empty text")
+    if max(table.next_state.shape) > MAX_SIZE:
+        raise ValueError(f"its automaton has {table.next_state.shape} states and token "
+                         f"classes, more than {MAX_SIZE}")
     return table
 
 
 def _layout(index, vocab_size: int) -> Automaton:
     """The `Automaton` arrays of an outlines-core Index: states renumbered (initial 0),
-    tokens grouped into classes by their transition columns."""
+    tokens grouped into classes by their transition columns. Vectorized: a nested schema
+    over 50k tokens has ~10^6 transitions. Columns are grouped by a 64-bit hash of their
+    (state, next state) pairs, then checked exactly (`_check_classes`)."""
     transitions = index.get_transitions()
-    initial = index.get_initial_state()
-    seen = set(transitions) | set(index.get_final_states())
-    seen |= {n for row in transitions.values() for n in row.values()}
-    number = {s: i for i, s in enumerate([initial] + sorted(seen - {initial}))}
-    columns = collections.defaultdict(list)
-    for s, row in transitions.items():
-        for token, after in row.items():
-            if token < vocab_size:  # vocab_size itself is the library's EOS
-                columns[token].append((number[s], number[after]))
-    classes: dict[tuple, int] = {}
+    initial, finals = index.get_initial_state(), list(index.get_final_states())
+    sizes = [len(row) for row in transitions.values()]
+    src = np.repeat(np.fromiter(transitions.keys(), np.int64, len(sizes)), sizes)
+    token = np.concatenate([np.fromiter(r.keys(), np.int64, len(r)) for r in transitions.values()]
+                           + [np.zeros(0, np.int64)])
+    dst = np.concatenate([np.fromiter(r.values(), np.int64, len(r)) for r in transitions.values()]
+                         + [np.zeros(0, np.int64)])
+    keep = token < vocab_size  # vocab_size itself is the library's EOS
+    src, token, dst = src[keep], token[keep], dst[keep]
+    raw = np.unique(np.concatenate([[initial], finals, src, dst]).astype(np.int64))
+    renumber = np.arange(len(raw))
+    at = int(np.searchsorted(raw, initial))
+    renumber[[0, at]] = renumber[[at, 0]]  # the initial state is 0
+    src, dst = renumber[np.searchsorted(raw, src)], renumber[np.searchsorted(raw, dst)]
+    column_hash = np.zeros(vocab_size, np.uint64)
+    np.add.at(column_hash, token, _mix64((src * len(raw) + dst).astype(np.uint64)))
+    live = np.bincount(token, minlength=vocab_size) > 0
     token_class = np.zeros(vocab_size, np.int32)
-    for token, column in columns.items():
-        token_class[token] = classes.setdefault(tuple(sorted(column)), len(classes) + 1)
-    next_state = np.full((len(number), len(classes) + 1), -1, np.int32)
-    for column, c in classes.items():
-        for s, after in column:
-            next_state[s, c] = after
-    accepting = np.zeros(len(number), bool)
-    accepting[[number[f] for f in index.get_final_states()]] = True
+    _, inverse = np.unique(column_hash[live], return_inverse=True)
+    token_class[live] = inverse.reshape(-1) + 1
+    next_state = np.full((len(raw), int(token_class.max()) + 1), -1, np.int32)
+    next_state[src, token_class[token]] = dst
+    _check_classes(next_state, token_class, src, token, dst, live)
+    accepting = np.zeros(len(raw), bool)
+    accepting[renumber[np.searchsorted(raw, np.array(finals, np.int64))]] = True
     return Automaton(token_class, next_state, accepting)
+
+
+def _mix64(x):
+    """splitmix64's finalizer on uint64 (wrapping): spreads each pair over 64 bits."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _check_classes(next_state, token_class, src, token, dst, live) -> None:
+    """Every token's transitions are exactly its class's (a hash collision would merge two
+    columns: then some transition disagrees, or a class has more than its tokens)."""
+    per_token = np.bincount(token, minlength=len(token_class))
+    per_class = (next_state >= 0).sum(axis=0)
+    if not ((next_state[src, token_class[token]] == dst).all()
+            and (per_token[live] == per_class[token_class[live]]).all()):
+        raise AssertionError("token classes collided: report this schema")
