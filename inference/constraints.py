@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 import threading
 import weakref
 
@@ -228,7 +229,7 @@ def automaton(sampling, tokenizer, vocab_size: int, request=None) -> Automaton |
     except ValueError as e:
         raise _error(field, _value(sampling, field), "a pattern that some text of the "
                      "tokenizer's tokens matches", "{field}={value!r} cannot be compiled: "
-                     + _braces(e), request) from None
+                     + _braces(e) + _where(regex), request) from None
     with _LOCK:
         _CACHE[key, vocab] = table
         if len(_CACHE) > CACHE_SIZE:
@@ -238,6 +239,16 @@ def automaton(sampling, tokenizer, vocab_size: int, request=None) -> Automaton |
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()  # (constraint, _Vocab) -> Automaton
 _LOCK = threading.Lock()
+
+
+def _where(regex: str) -> str:
+    """Python's word on a syntax error (its position), which outlines-core's lacks; the
+    Rust syntax differs only in corners."""
+    try:
+        re.compile(regex)
+    except re.error as e:
+        return _braces(f" ({e})")
+    return ""
 
 
 def _value(sampling, field: str):
