@@ -275,7 +275,7 @@ class Engine:
                 zeros(R, dtype=bool), zeros(R),
                 np.full((R, recent_width), stopping.BEFORE_START, np.int32),
                 zeros(R, self.config.max_seq_len), zeros(R, V, dtype=bool),
-                zeros(R, V))))  # padding rows: no effect
+                zeros(R, V), zeros(R))))  # padding rows: no effect
             self.state = engine_prefill(self.params, self.config, self.state, table, batch,
                                         rows, stops, pad_id=0)
         live = jnp.zeros((self.max_slots,), bool)

@@ -16,10 +16,12 @@ import pytest
 
 from gpt_jax import GPTConfig, checkpoint, init_params
 from gpt_jax.tokenizer import BPETokenizer
-from inference import SamplingParams
+from inference import LLM, Engine, SamplingParams
 from inference.constraints import automaton
 from inference.errors import RequestError
 from inference.generation import generate
+from inference.server import ServerConfig
+from serving import KEY, running, wait_ready  # at collection: before benchmarks/ is on the path
 from training.data import shakespeare_text
 
 JSON_CHARS = '{}[]"0123456789_@#'  # what JSON needs beyond Shakespeare's characters
@@ -205,10 +207,6 @@ SERVER_SLOTS = 8  # the server's engine and the solo reference's: the same progr
 
 @pytest.fixture(scope="module")
 def char_url(char_model):
-    from inference import Engine
-    from inference.server import ServerConfig
-    from serving import KEY, running, wait_ready
-
     params, config, tokenizer = char_model
     cfg = ServerConfig("char", api_key=KEY, max_queue=64)
     with running(lambda: Engine(params, config, tokenizer, max_slots=SERVER_SLOTS), cfg) as url:
@@ -221,9 +219,6 @@ def test_64_concurrent_requests_with_8_schemas_each_valid_and_equal_to_solo(char
     import asyncio
 
     import openai
-
-    from inference import LLM
-    from serving import KEY
 
     params, config, tokenizer = char_model
     schemas = [SCHEMAS[i] for i in (0, 1, 2, 3, 6, 7, 10, 16)]
@@ -268,8 +263,6 @@ def test_64_concurrent_requests_with_8_schemas_each_valid_and_equal_to_solo(char
 ])
 def test_a_bad_constraint_is_a_400_naming_it(char_url, field, value, param, named):
     import httpx2 as httpx
-
-    from serving import KEY
 
     r = httpx.post(f"{char_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"model": "char", "prompt": "A", field: value})
