@@ -72,6 +72,13 @@ def parse_args(argv=None):
                    help="no EOS, stop sequence or stop string before N tokens (vLLM)")
     s.add_argument("--logit-bias", type=_bias, action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS in [-100, 100] to token ID's logit (OpenAI; repeatable)")
+    s.add_argument("--json-schema", metavar="JSON", help="structured output: the text is JSON "
+                   "valid under this JSON schema (given as JSON text)")
+    s.add_argument("--regex", help="structured output: the text matches this regex")
+    s.add_argument("--choice", action="append", metavar="TEXT",
+                   help="structured output: the text is one of these (repeatable)")
+    s.add_argument("--json-object", action="store_true",
+                   help="structured output: the text is a JSON object")
     s.add_argument("--context-overflow", choices=CONTEXT_OVERFLOW, default="crop",
                    help="past the model's context: crop = predict each token from the last "
                         "max_seq_len tokens (nanoGPT; a longer prompt is cropped), error = "
@@ -111,7 +118,8 @@ FIELD_FLAGS = {
     "max_new_tokens": "--max-new-tokens", "stop_token_ids": "--stop-token-id", "stop": "--stop",
     "stop_sequences": "--stop-sequence", "logprobs": "--logprobs", "n": "--n",
     "min_tokens": "--min-tokens", "logit_bias": "--logit-bias",
-    "context_overflow": "--context-overflow",
+    "context_overflow": "--context-overflow", "json_schema": "--json-schema",
+    "regex": "--regex", "choice": "--choice", "json_object": "--json-object",
 }
 
 
@@ -136,6 +144,8 @@ def sampling_from_args(args) -> SamplingParams:
         stop=[s.replace("\\n", "\n") for s in args.stop], stop_sequences=args.stop_sequence,
         logprobs=args.logprobs, n=args.n, min_tokens=args.min_tokens,
         logit_bias=args.logit_bias, context_overflow=args.context_overflow,
+        json_schema=args.json_schema, regex=args.regex, choice=args.choice,
+        json_object=args.json_object,
     )
 
 
@@ -179,7 +189,7 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
     default stdout)."""
     config = llm.config
     token_prompts, per_prompt = validate(config, [llm.tokenizer.encode(p) for p in prompts],
-                                         sampling)
+                                         sampling, tokenizer=llm.tokenizer)
     batch = pack(config, token_prompts, per_prompt)
     B, S = batch.prompt_tokens.shape[0], min(batch.capacity, config.max_seq_len)  # cache slots
     tokens, lengths = jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.prompt_lengths)
@@ -262,7 +272,8 @@ def main(argv=None):
                 1, min(DEFAULT_MAX_NEW_TOKENS, llm.config.max_seq_len - longest)))  # prompt errs
         # Check every request before printing anything, so a bad one is a one-line error.
         if not args.prompt_ids:
-            validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling)
+            validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling,
+                     tokenizer=llm.tokenizer)
     except (ValueError, FileNotFoundError) as error:
         raise refusal(error) from None
     if args.prompt_ids:
