@@ -70,6 +70,9 @@ class SamplingFields(BaseModel):
     num_speculative_tokens: Optional[int] = _bounded(4, "num_speculative_tokens")
     prompt_lookup_min: Optional[int] = _bounded(1, "prompt_lookup_min")
     prompt_lookup_max: Optional[int] = _bounded(3, "prompt_lookup_max")
+    # OpenAI's structured output: {"type": "json_schema", "json_schema": {"name", "schema",
+    # "strict"}}, {"type": "json_object"} or {"type": "text"} (`constraint_fields`)
+    response_format: Optional[Any] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -81,12 +84,14 @@ class CompletionRequest(SamplingFields):
     echo: Optional[bool] = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    guided_json: Union[dict[str, Any], str, None] = None  # vLLM's structured-output extras
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
 
 
 CHAT_UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling",
                     "functions": "function calling", "function_call": "function calling",
-                    "parallel_tool_calls": "tool calling",
-                    "response_format": "structured output"}  # field -> what it asks for
+                    "parallel_tool_calls": "tool calling"}  # field -> what it asks for
 
 
 class ChatRequest(SamplingFields):
@@ -104,7 +109,6 @@ class ChatRequest(SamplingFields):
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
     parallel_tool_calls: Optional[Any] = None
-    response_format: Optional[Any] = None
 
 
 # ---------------------------------------------------------------------- errors
@@ -154,12 +158,45 @@ def validation_error(error: ValidationError | RequestValidationError) -> APIErro
     return APIError(400, f"{param}={value} is invalid: {first['msg']}", param=param)
 
 
-def request_error(error: RequestError) -> APIError:
+def request_error(error: RequestError, body=None) -> APIError:
     """A 400 naming the field, and every field its message mentions, as the API does (no
-    hint: a request to the server cannot crop), with the error's code."""
-    param = API_FIELDS.get(error.field, error.field)
-    return APIError(400, error.message(param, API_FIELDS, setting=None), param=param,
+    hint: a request to the server cannot crop), with the error's code; a structured-output
+    field by the name `body` gave it (`constraint_names`)."""
+    names = API_FIELDS | constraint_names(body)
+    param = names.get(error.field, error.field)
+    return APIError(400, error.message(param, names, setting=None), param=param,
                     code=error.code)
+
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
+
+
+def constraint_names(body) -> dict[str, str]:
+    """The API's names of the request's structured-output fields (engine name -> API's)."""
+    if getattr(body, "response_format", None) is not None:
+        return {"json_schema": "response_format", "json_object": "response_format"}
+    return {ours: api for api, ours in GUIDED.items() if getattr(body, api, None) is not None}
+
+
+def constraint_fields(body) -> dict:
+    """The SamplingParams structured-output fields of a request: from `response_format`
+    (OpenAI) or vLLM's `guided_json`, `guided_regex`, `guided_choice`. Raises APIError for a
+    response_format of another shape."""
+    fields = {ours: getattr(body, api) for api, ours in GUIDED.items()
+              if getattr(body, api, None) is not None}
+    spec = body.response_format
+    if spec is None or (isinstance(spec, dict) and spec.get("type") == "text"):
+        return fields
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "json_object":
+        return {**fields, "json_object": True}
+    schema = spec.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+        raise APIError(400, f"response_format={spec!r:.80} is not one of {{'type': "
+                            "'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}, "
+                            "{'type': 'json_object'}, {'type': 'text'}",
+                       param="response_format")
+    return {**fields, "json_schema": schema["schema"]}
 
 
 def to_sampling(body: CompletionRequest, eos_token_ids: tuple[int, ...]) -> SamplingParams:
@@ -217,13 +254,13 @@ def _sampling(body: CompletionRequest | ChatRequest, max_tokens: int | None,
             max_new_tokens=pick(max_tokens, 16), n=n, logprobs=logprobs,
             stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
             stop_token_ids=stop_token_ids,
-            min_tokens=pick(body.min_tokens, 0), logit_bias=bias,
+            min_tokens=pick(body.min_tokens, 0), logit_bias=bias, **constraint_fields(body),
             speculative=body.speculative,
             num_speculative_tokens=pick(body.num_speculative_tokens, 4),
             prompt_lookup_min=pick(body.prompt_lookup_min, 1),
             prompt_lookup_max=pick(body.prompt_lookup_max, 3))
     except RequestError as error:
-        raise request_error(error) from None
+        raise request_error(error, body) from None
 
 
 # ---------------------------------------------------------------------- responses

@@ -20,6 +20,8 @@ import numpy as np
 from flax import struct
 
 from inference import stopping
+from inference.constraint_mask import constraint_arrays
+from inference.constraints import automaton
 from inference.decode import DecodeState, decode_chunk, sample_and_record
 from inference.sampling import SamplingArrays
 from inference.sampling_params import SamplingParams
@@ -41,6 +43,7 @@ class PrefillBatch:
     window: jax.Array  # [R, W] int32, its last W tokens of prompt and output (0 before)
     prompt_seen: jax.Array  # [R, V] bool, tokens of its prompt
     output_counts: jax.Array  # [R, V] int32, occurrences among its generated tokens
+    constraint: jax.Array  # [R] int32, its automaton's state after its output (0: none)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "pad_id"), donate_argnames="state")
@@ -62,7 +65,8 @@ def engine_prefill(params, config, state: DecodeState, page_table, batch: Prefil
         done=put(state.done, False), finish=put(state.finish, stopping.RUNNING),
         recent=put(state.recent, batch.recent), window=put(state.window, batch.window),
         prompt_seen=put(state.prompt_seen, batch.prompt_seen),
-        output_counts=put(state.output_counts, batch.output_counts))
+        output_counts=put(state.output_counts, batch.output_counts),
+        constraint=put(state.constraint, batch.constraint))
     inserted_B = jnp.zeros((B,), bool).at[at_R].set(True, mode="drop")
     logits_BV = jnp.zeros((B, logits_RV.shape[-1]), jnp.float32).at[at_R].set(logits_RV,
                                                                               mode="drop")
@@ -120,15 +124,16 @@ def engine_decode(params, config, state: DecodeState, page_table, live_B, rows, 
     return _put_first_rows(state, chunk)
 
 def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, recent_width: int,
-                  window_width: int) -> PrefillBatch:
+                  window_width: int, tokenizer=None) -> PrefillBatch:
     """The rows of a prefill call, padded to buckets (rows and T); a row that completes its
     prompt carries the sequence's history (a preempted one resumes where it was):
-    `recent_width` last generated tokens, `window_width` (W) last tokens."""
+    `recent_width` last generated tokens, `window_width` (W) last tokens, its automaton's
+    state (structured output, compiled with `tokenizer`)."""
     R = bucket(len(work))
     T = bucket(max(w.n for w in work), MIN_PROMPT_BUCKET)
     V = vocab_size
     tokens = np.zeros((R, T), np.int32)
-    n_valid, start, step = (np.zeros(R, np.int32) for _ in range(3))
+    n_valid, start, step, constraint = (np.zeros(R, np.int32) for _ in range(4))
     slot = np.full(R, max_slots, np.int32)
     insert = np.zeros(R, bool)
     recent = np.full((R, recent_width), stopping.BEFORE_START, np.int32)
@@ -146,13 +151,17 @@ def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, rece
             recent[r, recent_width - len(tail):] = tail
             tail = seq.target[-window.shape[1]:]  # the target is at most max_seq_len
             window[r, window.shape[1] - len(tail):] = tail
+            table = automaton(seq.sampling, tokenizer, vocab_size)
+            constraint[r] = table.walk(seq.output) if table is not None else 0
     return PrefillBatch(*map(jnp.asarray, (tokens, n_valid, start, slot, insert, step,
-                                           recent, window, seen, counts)))
+                                           recent, window, seen, counts, constraint)))
 
 
-def row_arrays(active: list[Sequence], max_slots: int, vocab_size: int, widths):
+def row_arrays(active: list[Sequence], max_slots: int, vocab_size: int, widths,
+               tokenizer=None):
     """Per-slot sampling and stop arrays of the `active` sequences (a free slot gets inert
-    defaults); `widths`: the stop arrays' widths (`stopping.needed_widths`)."""
+    defaults), with their structured-output tables (compiled with `tokenizer`, cached);
+    `widths`: the stop arrays' widths (`stopping.needed_widths`)."""
     by_slot: list[Sequence | None] = [None] * max_slots
     for seq in active:
         by_slot[seq.slot] = seq
@@ -162,4 +171,6 @@ def row_arrays(active: list[Sequence], max_slots: int, vocab_size: int, widths):
                                       [q.sample_index if q else 0 for q in by_slot],
                                       [q.prompt_hash if q else 0 for q in by_slot],
                                       vocab_size)
+    tables = tuple(automaton(q.sampling, tokenizer, vocab_size) if q else None for q in by_slot)
+    rows = rows.replace(constraint=constraint_arrays(tables, vocab_size))
     return rows, stopping.StopArrays.from_params(params, widths)

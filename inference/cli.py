@@ -63,7 +63,8 @@ FIELD_FLAGS = {
     "max_new_tokens": "--max-new-tokens", "stop_token_ids": "--stop-token-id", "stop": "--stop",
     "stop_sequences": "--stop-sequence", "logprobs": "--logprobs", "n": "--n",
     "min_tokens": "--min-tokens", "logit_bias": "--logit-bias",
-    "context_overflow": "--context-overflow",
+    "context_overflow": "--context-overflow", "json_schema": "--json-schema",
+    "regex": "--regex", "choice": "--choice", "json_object": "--json-object",
 }
 
 
@@ -117,7 +118,7 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
     default stdout)."""
     config = llm.config
     token_prompts, per_prompt = validate(config, [llm.tokenizer.encode(p) for p in prompts],
-                                         sampling)
+                                         sampling, tokenizer=llm.tokenizer)
     batch = pack(config, token_prompts, per_prompt)
     B, S = batch.prompt_tokens.shape[0], min(batch.capacity, config.max_seq_len)  # cache slots
     tokens, lengths = jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.prompt_lengths)
@@ -202,7 +203,8 @@ def main(argv=None):
                 1, min(DEFAULT_MAX_NEW_TOKENS, llm.config.max_seq_len - longest)))  # prompt errs
         # Check every request before printing anything, so a bad one is a one-line error.
         if not args.prompt_ids:
-            validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling)
+            validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling,
+                     tokenizer=llm.tokenizer)
     except (ValueError, FileNotFoundError) as error:
         raise refusal(error) from None
     if args.prompt_ids:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from gpt_jax.cache import PagedKVCache
-from inference import stopping
+from inference import constraint_mask, stopping
 from inference.sampling import SamplingArrays, sample
 
 CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk boundaries
@@ -49,6 +49,7 @@ class DecodeState:
     window: jax.Array
     prompt_seen: jax.Array  # [B, V] bool, token occurs among the row's real prompt tokens
     output_counts: jax.Array  # [B, V] int32, occurrences among the generated tokens
+    constraint: jax.Array  # [B] int32, the row's automaton state (inference.constraint_mask)
 
 
 # (tokens_B, model_state, advance_B, window_BW) -> (logits_BV, model_state); window_BW is
@@ -96,6 +97,7 @@ def init_state(model, seen_BV, stops, window_BW, *, n_steps, n_top, pad_id=0) ->
         window=window_BW,
         prompt_seen=seen_BV,
         output_counts=jnp.zeros((B, V), jnp.int32),
+        constraint=jnp.zeros((B,), jnp.int32),
     )
 
 
@@ -135,9 +137,14 @@ def sample_and_record(state: DecodeState, logits_BV, active_B, rows: SamplingArr
     Stop checks, in order: an EOS id (kept), a token stop sequence the output now ends with
     (cut: `num_tokens` drops its length), `max_new_tokens`. Inside a row's `min_tokens` (its
     step below it) no EOS id can be sampled (`stopping.ban_early_eos`) and no stop sequence
-    counts. Log-probs are the model's, from `logits_BV` before any of that.
+    counts. A row with a constraint (`rows.constraint`) samples only tokens its automaton
+    allows, masked before every other rule, and finishes ("stop") once its output is complete
+    with no token allowed after it (`inference.constraint_mask`). Log-probs are the model's,
+    from `logits_BV` before any of that.
     """
-    token_B = sample(stopping.ban_early_eos(logits_BV, state.step, stops), rows,
+    allowed_BV = logits_BV if rows.constraint is None else constraint_mask.mask_logits(
+        logits_BV, rows.constraint, state.constraint, stops.stop_token_ids)
+    token_B = sample(stopping.ban_early_eos(allowed_BV, state.step, stops), rows,
                      state.prompt_seen, state.output_counts, state.step, pad_id)
     return record_token(state, token_B, logits_BV, active_B, rows, stops, pad_id)
 
@@ -150,6 +157,8 @@ def record_token(state: DecodeState, token_B, logits_BV, active_B, rows: Samplin
     B, n_steps = state.tokens.shape
     step_B = state.step
     token_B = jnp.where(active_B, token_B, pad_id)
+    constraint_B, ended_B = (state.constraint, False) if rows.constraint is None else \
+        constraint_mask.advance(rows.constraint, state.constraint, token_B, active_B)
     token_logprob_B, top_logprobs, top_ids = _token_logprobs(
         logits_BV, token_B, active_B & (rows.logprobs >= 0), state.top_ids.shape[-1])
 
@@ -158,7 +167,7 @@ def record_token(state: DecodeState, token_B, logits_BV, active_B, rows: Samplin
     eos_B = active_B & stopping.is_eos(token_B, stops.stop_token_ids)
     stop_len_B = jnp.where(active_B & ~eos_B & (step_B >= stops.min_tokens),
                            stopping.matched_stop_length(recent, stops.stop_sequences), 0)
-    stop_B = stop_len_B > 0
+    stop_B = (stop_len_B > 0) | (ended_B & ~eos_B)
     full_B = active_B & (num_tokens_B >= stops.max_new_tokens)
     finish_B = jnp.select([eos_B, stop_B, full_B],
                           [stopping.EOS, stopping.STOP, stopping.LENGTH], state.finish)
@@ -178,6 +187,7 @@ def record_token(state: DecodeState, token_B, logits_BV, active_B, rows: Samplin
         recent=recent,
         window=_shift_in(state.window, token_B, active_B),
         output_counts=state.output_counts.at[row_B, token_B].add(active_B.astype(jnp.int32)),
+        constraint=constraint_B,
     )
 
 

@@ -94,7 +94,8 @@ class Engine:
 
     Args:
       params: model weights (either layout); config: their GPTConfig.
-      tokenizer: encodes string prompts and decodes `text`; needed for stop strings.
+      tokenizer: encodes string prompts and decodes `text`; needed for stop strings and
+        structured output (`SamplingParams.json_schema`, `regex`, `choice`, `json_object`).
       max_slots: most requests (samples) decoded at once.
       num_pages, kv_cache_bytes: the page pool's size, in pages or in bytes
         (`gpt_jax.cache.cache_bytes`); default: every slot can hold max_seq_len tokens.
@@ -256,7 +257,8 @@ class Engine:
                                lead="; a prompt is ",
                                problem="{request}: the prompt is {value!r:.40}")
         prompt = check_request(self.config, prompt, sampling, request=request_id,
-                               page_size=self.page_size, num_pages=self.num_pages)
+                               page_size=self.page_size, num_pages=self.num_pages,
+                               tokenizer=self.tokenizer)
         return prompt, sampling
 
     def abort(self, request_id: str) -> None:
@@ -295,7 +297,7 @@ class Engine:
                 zeros(R, dtype=bool), zeros(R),
                 np.full((R, recent_width), stopping.BEFORE_START, np.int32),
                 zeros(R, self.config.max_seq_len), zeros(R, V, dtype=bool),
-                zeros(R, V))))  # padding rows: no effect
+                zeros(R, V), zeros(R))))  # padding rows: no effect
             self.state = (self.prefill_program or engine_prefill)(
                 self.params, self.config, self.state, table, batch, rows, stops, pad_id=0)
         live = jnp.zeros((self.max_slots,), bool)
@@ -369,7 +371,7 @@ class Engine:
         self.state = (self.prefill_program or engine_prefill)(
             self.params, self.config, self.state, self._page_table(),
             prefill_batch(work, self.max_slots, self.config.vocab_size,
-                          self.state.recent.shape[1], self.state.window.shape[1]),
+                          self.state.recent.shape[1], self.state.window.shape[1], self.tokenizer),
             rows, stops, pad_id=0)
         self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
 
@@ -398,7 +400,7 @@ class Engine:
     def _row_arrays(self):
         """Per-slot sampling and stop arrays of the active sequences (`row_arrays`)."""
         return row_arrays(self.scheduler.active, self.max_slots, self.config.vocab_size,
-                          self.widths)
+                          self.widths, self.tokenizer)
 
     def _page_table(self):
         """int32 `[max_slots, max_pages]`: each active sequence's pages at its slot, NO_PAGE

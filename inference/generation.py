@@ -30,6 +30,8 @@ from gpt_jax.config import GPTConfig
 from gpt_jax.params import Params, check_params, decode_layout
 from inference import stopping
 from inference import speculative
+from inference.constraint_mask import constraint_arrays
+from inference.constraints import automaton
 from inference.decode import (CHUNK, DecodeState, decode_loop, init_state, prompt_seen,
                               prompt_window, sample_and_record)
 from inference.sampling import SamplingArrays, prompt_hash
@@ -142,7 +144,7 @@ def _expand_sampling(prompts, sampling) -> list[SamplingParams]:
     return sampling
 
 
-def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
+def validate(config: GPTConfig, prompts, sampling, bos_token_id=None, tokenizer=None):
     """Check every request before any work starts (`inference.validation.check_request`,
     each named by its index). Returns `(prompts, sampling)` lists: the prompts as token-id
     lists (started from BOS, cropped, as `check_request` returns them), a SamplingParams
@@ -156,13 +158,15 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None):
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise TypeError("prompts must be a list of token-id lists")
     sampling = _expand_sampling(prompts, sampling)
-    return [check_request(config, prompt, sp, request=index, bos_token_id=bos_token_id)
+    return [check_request(config, prompt, sp, request=index, bos_token_id=bos_token_id,
+                          tokenizer=tokenizer)
             for index, (prompt, sp) in enumerate(zip(prompts, sampling))], sampling
 
 
-def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
+def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0, tokenizer=None) -> Batch:
     """Expand `n` (decode rows share their request's prefill row), draw missing seeds, and
-    pad prompts, rows and steps to buckets."""
+    pad prompts, rows and steps to buckets; the rows' structured-output tables (compiled
+    with `tokenizer`, cached) go with their sampling arrays."""
     rows, source, seeds, index = [], [], [], []
     for p, sp in enumerate(sampling):
         seed = sp.seed if sp.seed is not None else secrets.randbits(32)
@@ -189,7 +193,10 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0) -> Batch:
         source_B=np.array(source + [0] * (B - n_real), np.int32),
         rows=SamplingArrays.from_params(
             padded, seeds + [0] * (B - n_real), index + [0] * (B - n_real),
-            [prompt_hash(prompts[p]) for p in source] + [0] * (B - n_real), config.vocab_size),
+            [prompt_hash(prompts[p]) for p in source] + [0] * (B - n_real), config.vocab_size,
+        ).replace(constraint=constraint_arrays(tuple(
+            [automaton(r, tokenizer, config.vocab_size) for r in rows] + [None] * (B - n_real)),
+            config.vocab_size)),
         stops=stopping.StopArrays.from_params(padded),
         requests=tuple(rows),
         seeds=tuple(seeds),
@@ -235,15 +242,15 @@ def unpack(batch: Batch, state: DecodeState) -> list[Completion]:
 
 
 def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_id=0,
-        cache_dtype=jnp.float32) -> list[Completion]:
+        cache_dtype=jnp.float32, tokenizer=None) -> list[Completion]:
     """Validate, pack, run one compiled generation program, unpack."""
     check_params(params, config)
-    prompts, sampling = validate(config, prompts, sampling, bos_token_id)
+    prompts, sampling = validate(config, prompts, sampling, bos_token_id, tokenizer)
     if any(sp.stop for sp in sampling):
         raise ValueError("stop strings need a tokenizer: use inference.LLM for them")
     if all(sp.max_new_tokens == 0 for sp in sampling):  # nothing to do: compile nothing
         return [Completion([], "length", sp.seed or 0) for sp in sampling for _ in range(sp.n)]
-    batch = pack(config, prompts, sampling, pad_id)
+    batch = pack(config, prompts, sampling, pad_id, tokenizer)
     args = (params, config, jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.prompt_lengths),
             jnp.asarray(batch.source_B), batch.rows, batch.stops)
     static = dict(capacity=batch.capacity, n_steps=batch.n_steps, n_top=batch.n_top,
@@ -257,7 +264,8 @@ def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_
 
 
 def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_token_id=None,
-             pad_id: int = 0, cache_dtype=jnp.float32, mesh=None) -> list[Completion]:
+             pad_id: int = 0, cache_dtype=jnp.float32, mesh=None,
+             tokenizer=None) -> list[Completion]:
     """Generate from a batch of token-id prompts with a KV cache, in one compiled program.
 
     Args:
@@ -274,6 +282,8 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
       pad_id: the token recorded after a row has finished.
       mesh: a `jax.sharding.Mesh` with a "model" axis: the program runs tensor-parallel
         over it (`gpt_jax.tensor_parallel`; the same tokens as on one device).
+      tokenizer: the model's tokenizer (`gpt_jax.tokenizer`), which structured output
+        (`SamplingParams.json_schema`, `regex`, `choice`, `json_object`) needs.
     Returns:
       One Completion per prompt and sample, in input order.
     Raises:
@@ -287,6 +297,7 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
                                                       mesh)
         with jax.set_mesh(mesh):
             return generate(params, config, prompts, sampling, bos_token_id=bos_token_id,
-                            pad_id=pad_id, cache_dtype=cache_dtype)
+                            pad_id=pad_id, cache_dtype=cache_dtype, tokenizer=tokenizer)
     return run(params, config, prompts, sampling, model_fns=cached_model,
-               bos_token_id=bos_token_id, pad_id=pad_id, cache_dtype=cache_dtype)
+               bos_token_id=bos_token_id, pad_id=pad_id, cache_dtype=cache_dtype,
+               tokenizer=tokenizer)

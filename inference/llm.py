@@ -255,7 +255,8 @@ class LLM:
         sampling = crop_by_default(sampling)
         if self.eos_token_ids:  # else the requests go to validate untouched
             sampling = with_stop_ids(sampling, list(self.eos_token_ids))
-        token_prompts, per_prompt = validate(self.config, token_prompts, sampling)
+        token_prompts, per_prompt = validate(self.config, token_prompts, sampling,
+                                              tokenizer=self.tokenizer)
         return self._deltas(token_prompts, per_prompt, max_batch_size, chat)
 
     def _deltas(self, token_prompts, per_prompt, max_batch_size: int,

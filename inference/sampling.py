@@ -41,6 +41,7 @@ NaN never reaches other rows.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,9 @@ import numpy as np
 from flax import struct
 
 from inference.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from inference.constraint_mask import ConstraintArrays
 
 
 @struct.dataclass
@@ -66,6 +70,8 @@ class SamplingArrays:
     sample_index: jax.Array  # [B] int32, which of the request's n samples this row is
     logprobs: jax.Array  # [B] int32, alternatives to record per token; -1 = no log-probs
     logit_bias: jax.Array  # [B, V] float32, added to the raw logits; 0 = off
+    # the rows' structured-output tables (inference.constraint_mask); None: no row has one
+    constraint: ConstraintArrays | None = None
 
     @classmethod
     def from_params(cls, rows: list[SamplingParams], seeds: list[int], sample_index: list[int],

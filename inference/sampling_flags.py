@@ -36,6 +36,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="no EOS, stop sequence or stop string before N tokens (vLLM)")
     s.add_argument("--logit-bias", type=bias_arg, action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS in [-100, 100] to token ID's logit (OpenAI; repeatable)")
+    s.add_argument("--json-schema", metavar="JSON", help="structured output: the text is JSON "
+                   "valid under this JSON schema (given as JSON text)")
+    s.add_argument("--regex", help="structured output: the text matches this regex")
+    s.add_argument("--choice", action="append", metavar="TEXT",
+                   help="structured output: the text is one of these (repeatable)")
+    s.add_argument("--json-object", action="store_true",
+                   help="structured output: the text is a JSON object")
     s.add_argument("--context-overflow", choices=CONTEXT_OVERFLOW, default="crop",
                    help="past the model's context: crop = predict each token from the last "
                         "max_seq_len tokens (nanoGPT; a longer prompt is cropped), error = "
@@ -75,4 +82,6 @@ def sampling_from_args(args) -> SamplingParams:
         stop=[s.replace("\\n", "\n") for s in args.stop], stop_sequences=args.stop_sequence,
         logprobs=args.logprobs, n=args.n, min_tokens=args.min_tokens,
         logit_bias=args.logit_bias, context_overflow=args.context_overflow,
+        json_schema=args.json_schema, regex=args.regex, choice=args.choice,
+        json_object=args.json_object,
     )

@@ -6,6 +6,7 @@ bounds from them). Plain Python, no JAX: the sampling math on arrays is `inferen
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 
@@ -118,6 +119,15 @@ class SamplingParams:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    # Structured output, at most one of the four (`inference.constraints`, which needs the
+    # tokenizer): the whole output is JSON valid under `json_schema` (a dict or its JSON text,
+    # kept as JSON text with sorted keys: hashable), matches `regex` (Rust regex syntax), is
+    # one of the strings of `choice`, or is a JSON object (`json_object`). The row ends ("stop")
+    # once its output is complete and nothing may follow; its EOS ids only where it is complete.
+    json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_object: bool = False
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -157,14 +167,56 @@ class SamplingParams:
                                "1 <= {prompt_lookup_min} <= {prompt_lookup_max}",
                                problem="{field}={value!r} is more than "
                                f"{{prompt_lookup_max}}={self.prompt_lookup_max}")
+        _check_constraint(self)
+        if self.speculative is not None and self.constrained:  # after _check_constraint
+            raise RequestError("speculative", self.speculative,
+                               "None with json_schema, regex, choice or json_object",
+                               problem="{field}={value!r} does not run with structured output "
+                               "yet: drafts are not checked against the constraint")
 
     def overflow(self, default: str) -> str:
         """`context_overflow`, or `default` when it is None."""
         return default if self.context_overflow is None else self.context_overflow
 
     @property
+    def constrained(self) -> bool:
+        """Whether one of the structured-output fields is set."""
+        return self.json_object or any(
+            getattr(self, f) is not None for f in ("json_schema", "regex", "choice"))
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _check_constraint(sp: SamplingParams) -> None:
+    """Normalize the structured-output fields in place (a schema dict to sorted JSON text, a
+    choice list to a tuple) and refuse wrong types, empty values and more than one."""
+    set_ = object.__setattr__
+    if isinstance(sp.json_schema, dict):
+        set_(sp, "json_schema", json.dumps(sp.json_schema, sort_keys=True))
+    elif sp.json_schema is not None:
+        if not isinstance(sp.json_schema, str):
+            raise RequestError("json_schema", sp.json_schema, "a dict (or its JSON text)",
+                               code="invalid_type", problem="{field}={value!r:.60} is not a dict")
+        try:
+            set_(sp, "json_schema", json.dumps(json.loads(sp.json_schema), sort_keys=True))
+        except ValueError:
+            raise RequestError("json_schema", sp.json_schema, "a dict (or its JSON text)",
+                               problem="{field}={value!r:.60} is not JSON") from None
+    if sp.regex is not None and (not isinstance(sp.regex, str) or not sp.regex):
+        raise RequestError("regex", sp.regex, "a non-empty str")
+    if sp.choice is not None:
+        set_(sp, "choice", _as_tuple("choice", sp.choice))
+        if not sp.choice or not all(isinstance(c, str) and c for c in sp.choice):
+            raise RequestError("choice", sp.choice, "a non-empty list of non-empty strings")
+    if not isinstance(sp.json_object, bool):
+        raise RequestError("json_object", sp.json_object, "True or False", code="invalid_type")
+    given = [f for f in ("json_schema", "regex", "choice") if getattr(sp, f) is not None]
+    given += ["json_object"] * sp.json_object
+    if len(given) > 1:
+        raise RequestError(given[1], getattr(sp, given[1]), f"at most one constraint (got "
+                           f"{given[0]} too)", problem="{field} is given with another constraint")
 
 
 def _as_tuple(name, value) -> tuple:

@@ -192,12 +192,13 @@ async def _checked_prompts(body: CompletionRequest, engine: Engine,
     if engine.tokenizer is None and not isinstance(body.prompt, list):
         raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
     prompts = await asyncio.to_thread(_prompts, body, engine)  # long text: off the loop
-    try:
-        return [check_request(engine.config, p, sampling, request=i,
-                              page_size=engine.page_size, num_pages=engine.num_pages)
-                for i, p in enumerate(prompts)]
+    try:  # off the loop too: compiling a new structured-output constraint takes seconds
+        return await asyncio.to_thread(lambda: [
+            check_request(engine.config, p, sampling, request=i, page_size=engine.page_size,
+                          num_pages=engine.num_pages, tokenizer=engine.tokenizer)
+            for i, p in enumerate(prompts)])
     except RequestError as error:
-        raise request_error(error) from None
+        raise request_error(error, body) from None
 
 
 async def _chat_prompt(server: Server, body: ChatRequest,
@@ -351,10 +352,12 @@ def _completion_routes(app: FastAPI, server: Server) -> None:
         sampling = chat_sampling(body, stop_ids,
                                  max(1, engine.config.max_seq_len - len(prompt)))
         try:
-            prompt = check_request(engine.config, prompt, sampling, request=0,
-                                   page_size=engine.page_size, num_pages=engine.num_pages)
+            prompt = await asyncio.to_thread(  # a new constraint compiles: off the loop
+                check_request, engine.config, prompt, sampling, request=0,
+                page_size=engine.page_size, num_pages=engine.num_pages,
+                tokenizer=engine.tokenizer)
         except RequestError as error:
-            raise request_error(error) from None
+            raise request_error(error, body) from None
         server.admit(1, sampling.n)
         return await _answer(server, body, [prompt], sampling, arrival, request, ChatShape)
 

@@ -14,6 +14,7 @@ import numbers
 
 from gpt_jax.cache import pages_for
 from gpt_jax.config import GPTConfig
+from inference.constraints import automaton
 from inference.errors import Hint, RequestError
 from inference.sampling_params import SamplingParams
 
@@ -25,7 +26,8 @@ EMPTY = "at least one token (pass bos_token_id to inference.generate to start em
 
 def check_request(config: GPTConfig, prompt, sampling: SamplingParams, *,
                   request: int | str, bos_token_id: int | None = None,
-                  page_size: int | None = None, num_pages: int | None = None) -> list[int]:
+                  page_size: int | None = None, num_pages: int | None = None,
+                  tokenizer=None) -> list[int]:
     """Every check of one request (`prompt`, token ids, with its `sampling`) against the
     model, and with `num_pages` against a page pool of that many pages of `page_size`.
     Returns the prompt as a list of ints: an empty one started from `bos_token_id` when
@@ -42,7 +44,8 @@ def check_request(config: GPTConfig, prompt, sampling: SamplingParams, *,
         stop_token_ids, stop_sequences or logit_bias id outside the vocabulary; logprobs
         above vocab_size; under "error", a prompt length + max_new_tokens above
         max_seq_len (code "context_length_exceeded", hint "crop"); more pages than the pool
-        has.
+        has; a structured-output constraint without a `tokenizer`, or one that cannot be
+        compiled over its tokens (`inference.constraints.automaton`, which caches it).
     """
     prompt = _token_ids(prompt, sampling, request, bos_token_id)
     V = config.vocab_size
@@ -61,6 +64,7 @@ def check_request(config: GPTConfig, prompt, sampling: SamplingParams, *,
         raise RequestError("logprobs", sampling.logprobs, f"[0, {V}]", owner="",
                            request=request, problem="{request}: {field}={value!r} asks for "
                            "more alternatives than the vocabulary has")
+    automaton(sampling, tokenizer, V, request)
     prompt = _fit_context(config, prompt, sampling, request)
     if num_pages is not None:
         _fit_pool(config, len(prompt), sampling, request, page_size, num_pages)

@@ -372,7 +372,7 @@ def test_the_end_of_turn_token_ends_a_chat_with_stop_not_in_the_text(chat_client
 
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}),
+    ("tool_choice", "auto"), ("response_format", {"type": "xml"}),  # json_object: supported
     ("messages", [{"role": "user", "content": [{"type": "image_url",
                                                 "image_url": {"url": "http://x/a.png"}}]}]),
     ("messages", [{"role": "tool", "content": "x"}]), ("top_logprobs", 2)])
@@ -501,3 +501,20 @@ def test_a_conversation_a_char_tokenizer_cannot_encode_is_a_400(config, params):
         r = httpx.post(f"{base}/v1/chat/completions", json={"messages": TALK}, timeout=TIMEOUT_S)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert "cannot be encoded" in r.json()["error"]["message"]
+
+
+def test_a_chat_reply_under_response_format_json_schema_fits_it_and_equals_solo(chat_client,
+                                                                                chat_llm):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
+                                               "why": {"type": "string", "maxLength": 8}},
+              "required": ["answer", "why"]}
+    r = chat_client.chat.completions.create(
+        model="chat", messages=TALK, max_tokens=40, seed=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    import jsonschema
+
+    reply = r.choices[0].message.content
+    jsonschema.validate(json.loads(reply), schema)
+    assert r.choices[0].finish_reason == "stop"
+    assert reply == solo_chat(chat_llm, TALK, max_new_tokens=40, seed=5,
+                              json_schema=schema)[0].text

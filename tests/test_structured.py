@@ -1,0 +1,271 @@
+"""Structured output (`SamplingParams.json_schema`, `regex`, `choice`, `json_object`): every
+output of a constrained request parses and fits, for a trained character model and a random
+GPT-2-shaped model with a 50,257-token byte-level BPE; rows keep their solo outputs in mixed
+batches and through the server; bad constraints are refused by name before any work.
+
+Every schema here describes a finite language (bounded strings, integers and arrays, one
+optional space), so each row ends on its own ("stop") within `longest_output` tokens."""
+
+import json
+import re
+
+import jax
+import jsonschema
+import numpy as np
+import pytest
+
+from gpt_jax import GPTConfig, checkpoint, init_params
+from gpt_jax.tokenizer import BPETokenizer
+from inference import LLM, Engine, SamplingParams
+from inference.constraints import automaton
+from inference.errors import RequestError
+from inference.generation import generate
+from inference.server import ServerConfig
+from serving import KEY, running, wait_ready  # at collection: before benchmarks/ is on the path
+from training.data import shakespeare_text
+
+JSON_CHARS = '{}[]"0123456789_@#'  # what JSON needs beyond Shakespeare's characters
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}},
+     "required": ["name"]},
+    {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["age"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+     "required": ["color"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "none": {"type": "null"}},
+     "required": ["ok", "none"]},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+     "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"user": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 50},
+                                         "tag": {"type": "string", "maxLength": 3}},
+        "required": ["id", "tag"]}}, "required": ["user"]},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                      "b": {"type": "boolean"}}, "required": ["a"]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"}},
+     "required": ["code"]},
+    {"type": "array", "items": {"type": "object", "properties": {"k": {"enum": ["x", "yy"]}},
+                                "required": ["k"]}, "minItems": 1, "maxItems": 2},
+    {"type": "string", "minLength": 2, "maxLength": 4},
+    {"enum": [1, "two", None, True]},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 3},
+               {"type": "string", "maxLength": 2}]},
+    {"const": "fixed"},
+    {"type": "array", "items": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+     "maxItems": 2},
+    {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 100, "maximum": 999},
+        "kind": {"enum": ["a", "b"]}, "note": {"type": "string", "maxLength": 4}},
+     "required": ["id", "kind"]},
+    {"type": "string", "pattern": "^[a-z]{1,3}@[a-z]{1,3}$"},
+    {"type": "object", "properties": {"n": {"type": "integer", "exclusiveMinimum": -3,
+                                            "exclusiveMaximum": 3}}, "required": ["n"]},
+    {"$defs": {"pt": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}},
+     "type": "array", "items": {"$ref": "#/$defs/pt"}, "maxItems": 2},
+    {"type": "array", "items": {"enum": ["up", "down"]}, "minItems": 2, "maxItems": 2},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {
+        "type": "object", "properties": {"c": {"type": "boolean"}}, "required": ["c"]}},
+        "required": ["b"]}}, "required": ["a"]},
+]
+SEEDS = range(8)
+
+
+def longest_output(table) -> int:
+    """Most tokens any path of the automaton takes to a state with no live token (it must
+    be acyclic: every schema here describes a finite language)."""
+    live = table.next_state >= 0
+    depth = np.zeros(len(table.accepting), np.int64)
+    for _ in range(len(depth)):  # Bellman-Ford on the DAG: at most S rounds
+        reach = np.where(live, depth[np.maximum(table.next_state, 0)] + 1, 0).max(axis=1)
+        if (reach == depth).all():
+            return int(depth[0])
+        depth = reach
+    raise AssertionError("the automaton has a cycle: the schema is not finite")
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory):
+    """A tiny character model trained (100 steps) on Shakespeare whose vocabulary also holds
+    JSON's characters (one line of them in the corpus)."""
+    from training import train as T
+    from training.config import TrainConfig
+
+    corpus = tmp_path_factory.mktemp("corpus") / "shakespeare.txt"
+    corpus.write_text(shakespeare_text()[:200_000] + "\n" + JSON_CHARS + "\n")
+    run_dir = tmp_path_factory.mktemp("run") / "char"
+    T.train(TrainConfig.preset("tiny", text=str(corpus), run_dir=str(run_dir), max_steps=100,
+                               eval_interval=100))
+    config, params, tokenizer = checkpoint.load_params(run_dir)
+    return params, config, tokenizer
+
+
+@pytest.fixture(scope="module")
+def bpe_model():
+    """A random GPT-2-shaped model (GPT-2's 50,257-token vocabulary, tiny widths) and a
+    byte-level BPE of exactly that size trained on Shakespeare (with its upper-cased copy, so
+    there are enough merges)."""
+    text = shakespeare_text()
+    tokenizer = BPETokenizer.from_text(text + text.upper(), vocab_size=50257,
+                                       special_tokens=("<|endoftext|>",))
+    config = GPTConfig.preset("tiny", vocab_size=50257)
+    return init_params(config, jax.random.key(0)), config, tokenizer
+
+
+def run_schemas(model, prompt: str):
+    """Every schema x seed in one generate call (one compiled program)."""
+    params, config, tokenizer = model
+    sampling = [SamplingParams(json_schema=s, seed=seed, temperature=1.0,
+                               max_new_tokens=longest_output(automaton(
+                                   SamplingParams(json_schema=s), tokenizer, config.vocab_size)))
+                for s in SCHEMAS for seed in SEEDS]
+    outs = generate(params, config, [tokenizer.encode(prompt)] * len(sampling), sampling,
+                    tokenizer=tokenizer)
+    return [(s, tokenizer.decode(o.tokens), o.finish_reason)
+            for s, o in zip([s for s in SCHEMAS for _ in SEEDS], outs)]
+
+
+@pytest.mark.parametrize("model", ["char_model", "bpe_model"])
+def test_every_output_validates_against_its_schema(model, request):
+    results = run_schemas(request.getfixturevalue(model), "ROMEO:\n")
+    for schema, text, reason in results:
+        assert reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    assert len({text for _, text, _ in results}) > len(SCHEMAS) * 4  # seeds do differ
+
+
+def test_regex_and_choices_with_shared_prefixes_end_where_they_may(bpe_model):
+    """EOS (the BPE's <|endoftext|>) is live only where the output is complete: "cart" may
+    end there or go on to "carton"; every output matches, and more than one choice shows."""
+    params, config, tokenizer = bpe_model
+    eos = tokenizer.tokenizer.token_to_id("<|endoftext|>")
+    choices = ("cat", "car", "cart", "carton", "dog")
+    pattern = r"[a-c]{1,3}-[0-9]{1,2}(x|yz)?"
+    sampling = [SamplingParams(choice=choices, seed=s, max_new_tokens=8, stop_token_ids=[eos])
+                for s in SEEDS] + [SamplingParams(regex=pattern, seed=s, max_new_tokens=8,
+                                                  stop_token_ids=[eos]) for s in SEEDS]
+    outs = generate(params, config, [tokenizer.encode("Say:")] * len(sampling), sampling,
+                    tokenizer=tokenizer)
+    texts = [tokenizer.decode(o.tokens) for o in outs]
+    assert all(o.finish_reason in ("eos", "stop") for o in outs), texts
+    assert all(o.tokens[-1] == eos for o in outs if o.finish_reason == "eos")
+    assert all(t in choices for t in texts[:8]) and len(set(texts[:8])) > 1, texts
+    assert all(re.fullmatch(pattern, t) for t in texts[8:]) and len(set(texts[8:])) > 1, texts
+
+
+def test_a_mixed_batch_gives_each_row_its_solo_output(char_model):
+    """4 schemas, a regex and 3 free rows in one batch: each row as alone; the free rows as
+    in a batch without any constraint (which compiles none of the masking)."""
+    params, config, tokenizer = char_model
+    constrained = [dict(json_schema=SCHEMAS[i]) for i in (0, 2, 7, 17)]
+    constrained.append(dict(regex=r"[a-z]{3}-[0-9]{2}"))
+    rows = [SamplingParams(**c, seed=k, max_new_tokens=48) for k, c in enumerate(constrained)]
+    free = [SamplingParams(seed=10 + k, max_new_tokens=48, temperature=0.8) for k in range(3)]
+    prompts = [tokenizer.encode(p) for p in ("ROMEO:\n", "JULIET:\nO", "First Citizen:\n",
+                                             "KING", "A", "B", "To be", "HAMLET:\n")]
+    mixed = generate(params, config, prompts, rows[:3] + free[:1] + rows[3:] + free[1:],
+                     tokenizer=tokenizer)
+    order = [0, 1, 2, 4, 5, 3, 6, 7]  # where rows + free sit in the mixed batch
+    alone = [generate(params, config, [prompts[b]], [sp], tokenizer=tokenizer)[0]
+             for b, sp in zip(order, rows + free)]
+    for b, solo in zip(order, alone):
+        assert (mixed[b].tokens, mixed[b].finish_reason) == (solo.tokens, solo.finish_reason)
+    unconstrained = generate(params, config, [prompts[b] for b in (3, 6, 7)], free)
+    assert [mixed[b].tokens for b in (3, 6, 7)] == [o.tokens for o in unconstrained]
+    for b, c in zip((0, 1, 2, 4), constrained):
+        jsonschema.validate(json.loads(tokenizer.decode(mixed[b].tokens)), c["json_schema"])
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", tokenizer.decode(mixed[5].tokens))
+
+
+def test_bad_constraints_are_refused_by_name_before_any_work(char_model):
+    params, config, tokenizer = char_model
+    prompt = [tokenizer.encode("A")]
+
+    def refused(**fields) -> RequestError:
+        with pytest.raises(RequestError) as e:
+            generate(params, config, prompt, SamplingParams(**fields), tokenizer=tokenizer)
+        return e.value
+
+    assert "Unsupported type: color" in str(refused(json_schema={"type": "color"}))
+    e = refused(json_schema={"properties": {"x": {"type": "integer", "minimum": 0}}})
+    assert e.field == "json_schema" and "#/properties/x: minimum" in str(e)
+    e = refused(regex="\u03a9+")  # no token writes it: it matches nothing here
+    assert e.field == "regex" and "'\u03a9+'" in str(e) and "prompt 0" in str(e)
+    assert "tokenizer=" in str(pytest.raises(RequestError, generate, params, config, prompt,
+                                             SamplingParams(choice=["a"])).value)
+    with pytest.raises(RequestError, match="at most one constraint"):
+        SamplingParams(regex="a", choice=["a"])
+    with pytest.raises(RequestError, match="choice"):
+        SamplingParams(choice=[""])
+
+
+# ---------------------------------------------------------------------- the server
+
+SERVER_SLOTS = 8  # the server's engine and the solo reference's: the same programs
+
+
+@pytest.fixture(scope="module")
+def char_url(char_model):
+    params, config, tokenizer = char_model
+    cfg = ServerConfig("char", api_key=KEY, max_queue=64)
+    with running(lambda: Engine(params, config, tokenizer, max_slots=SERVER_SLOTS), cfg) as url:
+        wait_ready(url)
+        yield url
+
+
+def test_64_concurrent_requests_with_8_schemas_each_valid_and_equal_to_solo(char_model,
+                                                                           char_url):
+    import asyncio
+
+    import openai
+
+    params, config, tokenizer = char_model
+    schemas = [SCHEMAS[i] for i in (0, 1, 2, 3, 6, 7, 10, 16)]
+    longest = {i: longest_output(automaton(SamplingParams(json_schema=s), tokenizer,
+                                           config.vocab_size)) for i, s in enumerate(schemas)}
+    requests = [(k % 8, f"{'ABCDEFGH'[k % 8]}{k}:\n", 1000 + k) for k in range(64)]
+    client = openai.AsyncOpenAI(base_url=f"{char_url}/v1", api_key=KEY, max_retries=0)
+
+    async def one(i, prompt, seed):
+        # half as OpenAI's response_format, half as vLLM's guided_json
+        extra = ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": f"s{i}", "schema": schemas[i], "strict": True}}} if seed % 2 else
+            {"guided_json": schemas[i]})
+        r = await client.completions.create(model="char", prompt=prompt, seed=seed,
+                                            max_tokens=longest[i], extra_body=extra)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    async def all_of_them():
+        async with client:  # a bound against a hang, not a speed test
+            return await asyncio.wait_for(asyncio.gather(*(one(*r) for r in requests)), 300)
+
+    results = asyncio.run(all_of_them())
+    llm = LLM(params, config, tokenizer)
+    for (i, prompt, seed), (text, reason) in zip(requests, results):
+        jsonschema.validate(json.loads(text), schemas[i])
+        ref = llm.generate([prompt], SamplingParams(json_schema=schemas[i], seed=seed,
+                                                    max_new_tokens=longest[i]),
+                           max_batch_size=SERVER_SLOTS, progress=False)[0]
+        assert (text, reason) == (ref.text, "stop"), prompt
+
+
+@pytest.mark.parametrize("field, value, param, named", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"x": {"type": "colour"}}}}}, "response_format",
+     "Unsupported type: colour"),
+    ("guided_json", {"properties": {"n": {"type": "integer", "maximum": 5}}}, "guided_json",
+     "#/properties/n: maximum"),
+    ("guided_regex", "\u03a9{2}", "guided_regex", "'\u03a9{2}'"),  # no token writes it
+    ("guided_regex", "a(", "guided_regex", "'a(' cannot be compiled"),
+    ("guided_choice", [], "guided_choice", "non-empty list"),
+    ("response_format", {"type": "xml"}, "response_format", "'xml'"),
+])
+def test_a_bad_constraint_is_a_400_naming_it(char_url, field, value, param, named):
+    import httpx2 as httpx
+
+    r = httpx.post(f"{char_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "char", "prompt": "A", field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and named in error["message"], error
