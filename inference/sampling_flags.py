@@ -43,6 +43,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="structured output: the text is one of these (repeatable)")
     s.add_argument("--json-object", action="store_true",
                    help="structured output: the text is a JSON object")
+    s.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="speculative decoding: ngram = prompt lookup (default: off)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="tokens drafted per step with --speculative")
+    s.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",
+                   help="shortest n-gram matched with --speculative ngram")
+    s.add_argument("--prompt-lookup-max", type=int, default=3, metavar="N",
+                   help="longest n-gram matched with --speculative ngram")
     s.add_argument("--context-overflow", choices=CONTEXT_OVERFLOW, default="crop",
                    help="past the model's context: crop = predict each token from the last "
                         "max_seq_len tokens (nanoGPT; a longer prompt is cropped), error = "
@@ -83,5 +91,7 @@ def sampling_from_args(args) -> SamplingParams:
         logprobs=args.logprobs, n=args.n, min_tokens=args.min_tokens,
         logit_bias=args.logit_bias, context_overflow=args.context_overflow,
         json_schema=args.json_schema, regex=args.regex, choice=args.choice,
-        json_object=args.json_object,
+        json_object=args.json_object, speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
     )

@@ -196,7 +196,8 @@ EVERY_FLAG = ["--temperature", "0.7", "--top-k", "9", "--top-p", "0.9", "--min-p
               "--stop-token-id", "7", "--stop-token-id", "8", "--stop", "zz\\n",
               "--stop-sequence", "1,2,3", "--logprobs", "2", "--n", "2", "--min-tokens", "3",
               "--logit-bias", "9=-100", "--logit-bias", "4=2.5", "--context-overflow", "error",
-              "--regex", "[a-z]+"]  # one constraint per request: the other three below
+              "--regex", "[a-z]+", "--num-speculative-tokens", "2", "--prompt-lookup-min", "2",
+              "--prompt-lookup-max", "4"]  # one constraint per request: the other three below
 
 
 def test_every_sampling_field_is_a_flag():
@@ -204,11 +205,13 @@ def test_every_sampling_field_is_a_flag():
     default = SamplingParams()
     unset = [f.name for f in dataclasses.fields(SamplingParams)
              if getattr(sp, f.name) == getattr(default, f.name)]
-    assert unset == ["json_schema", "choice", "json_object"]  # one constraint at a time
+    # one constraint at a time, and none with speculative decoding: those apart below
+    assert unset == ["speculative", "json_schema", "choice", "json_object"]
     for flags, field, value in ((["--json-schema", '{"type": "integer"}'], "json_schema",
                                  '{"type": "integer"}'),
                                 (["--choice", "a", "--choice", "b"], "choice", ("a", "b")),
-                                (["--json-object"], "json_object", True)):
+                                (["--json-object"], "json_object", True),
+                                (["--speculative", "ngram"], "speculative", "ngram")):
         assert getattr(cli.sampling_from_args(cli.parse_args(flags)), field) == value
     assert sp.stop == ("zz\n",) and sp.stop_sequences == ((1, 2, 3),)
     assert sp.stop_token_ids == (7, 8)
