@@ -162,12 +162,15 @@ def test_cli_generate_hf_checkpoint_prints_from_pretrained_text(hf_dir, capsys):
 
 def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
     """`gpt-jax serve --hf-checkpoint DIR` (a subprocess): a greedy completion is the text
-    `LLM.from_pretrained(DIR).generate` gives."""
+    `LLM.from_pretrained(DIR).generate` gives; a seeded n=2 sampled one, asked with the
+    official openai client, has the tokens of `LLM` and of `inference.generate` for the same
+    seed (the model: GQA 2:1, untied)."""
     import os
     import subprocess
     import sys
 
     import httpx2 as httpx
+    import openai
 
     from conftest import free_port
 
@@ -189,10 +192,36 @@ def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
                 "temperature": 0}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        (expected,) = LLM.from_pretrained(path).generate(
+        llm = LLM.from_pretrained(path)
+        (expected,) = llm.generate(
             [TEXTS[1]], SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS),
             progress=False)
         assert r.json()["choices"][0]["text"] == expected.text
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=120)
+        served = client.completions.create(model=path.name, prompt=TEXTS[0],
+                                           max_tokens=NEW_TOKENS, temperature=0.9, seed=7,
+                                           n=2, logprobs=1)
     finally:
         proc.kill()
         proc.wait(timeout=30)
+    _assert_seeded_pair_served(llm, served)
+
+
+def _assert_seeded_pair_served(llm, served):
+    """The server's seeded n=2 answer `served` holds the tokens `llm` and
+    `inference.generate` sample for TEXTS[0] with seed 7: two different lively samples."""
+    from inference import generate
+
+    sampling = SamplingParams(temperature=0.9, seed=7, n=2, max_new_tokens=NEW_TOKENS)
+    ours = llm.generate([TEXTS[0]], sampling, progress=False)
+    direct = generate(llm.params, llm.config, [llm.tokenizer.encode(TEXTS[0])],
+                      SamplingParams(temperature=0.9, seed=7, n=2, max_new_tokens=NEW_TOKENS,
+                                     stop_token_ids=[1]))
+    assert [o.tokens for o in ours] == [o.tokens for o in direct]
+    assert ours[0].tokens != ours[1].tokens
+    for choice, expected in zip(served.choices, ours, strict=True):
+        assert_lively(expected.tokens, 4)
+        assert choice.text == expected.text
+        assert choice.logprobs.tokens == [llm.tokenizer.decode([t]) for t in expected.tokens]
+    assert served.usage.completion_tokens == sum(len(o.tokens) for o in ours)
