@@ -263,7 +263,7 @@ def main(argv=None):
         # Check every request before printing anything, so a bad one is a one-line error.
         if not args.prompt_ids:
             validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError, ImportError) as error:  # ImportError: a .bin without torch
         raise refusal(error) from None
     if args.prompt_ids:
         return print_token_ids(llm, args.prompt_ids, sampling)

@@ -323,7 +323,7 @@ def main(argv=None):
             params, config, batch=args.batch, prompt_len=args.prompt_len,
             max_new_tokens=args.max_new_tokens, eos_token_id=eos_token_id,
             platforms=platforms, cache_dtype=jnp.dtype(args.dtype))
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError, ImportError) as error:  # ImportError: a .bin without torch
         raise SystemExit(f"gpt-jax export: {error}") from None
     source = args.hf_checkpoint or args.run_dir
     try:

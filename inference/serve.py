@@ -143,7 +143,7 @@ def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, tuple[int, 
         return Engine(params, config, tokenizer, max_slots=args.max_slots,
                       kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
                       quantize=args.quantize), eos
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, ImportError) as error:  # ImportError: a .bin without torch
         raise SystemExit(f"gpt-jax serve: {error}") from error
 
 
