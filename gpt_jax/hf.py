@@ -39,7 +39,13 @@ def _read_json(path: Path) -> tuple[dict, Path]:
     if not config_path.exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory: "
                                 f"{config_path} does not exist")
-    return json.loads(config_path.read_text()), config_path
+    try:
+        hf = json.loads(config_path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{config_path} is not valid JSON: {error}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {hf!r:.60}")
+    return hf, config_path
 
 
 def _read_config(path: Path, only: str | None = None) -> tuple[GPTConfig, str]:
