@@ -17,11 +17,13 @@ from typing import Callable
 
 import uvicorn
 
+from gpt_jax.cache import cache_bytes
 from inference import server
 from inference.chat import ChatTemplate
 from inference.engine import Engine
-from inference.load import add_model_args, load_model
+from inference.load import add_model_args, load_config, load_model
 from inference.server import ServerConfig, create_app
+from inference.steps import PAGE_SIZE
 
 
 def parse_origins(values: list[str] | None) -> tuple[str, ...]:
@@ -80,9 +82,17 @@ def main(argv=None) -> None:
             allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
             raise SystemExit(f"gpt-jax serve: --{name.replace('_', '-')} must be {allowed}, "
                              f"got {value}")
+    if args.shutdown_timeout < 0:
+        raise SystemExit(f"gpt-jax serve: --shutdown-timeout must be >= 0 (seconds), got "
+                         f"{args.shutdown_timeout:g}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise SystemExit(f"gpt-jax serve: --served-model-name {args.served_model_name!r} is "
+                         "empty; allowed: the model id clients send, or no flag for the "
+                         "directory's name")
     source = Path(args.hf_checkpoint or args.run_dir)
     if not source.is_dir():
         raise SystemExit(f"gpt-jax serve: {source} is not a directory")
+    check_kv_cache_bytes(args)
     try:
         origins = parse_origins(args.allowed_origins)
     except ValueError as error:
@@ -118,6 +128,20 @@ def main(argv=None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores after its drain
         signal.signal(sig, signal.SIG_IGN)
     _Uvicorn(config, on_listening=listening.set).run(sockets=[sock])
+
+
+def check_kv_cache_bytes(args: argparse.Namespace) -> None:
+    """Stop the command, naming the flag, when --kv-cache-bytes holds no KV page of the
+    model (its config alone read), before the weights load."""
+    if args.kv_cache_bytes is None:
+        return
+    try:
+        page = cache_bytes(load_config(args), 1, PAGE_SIZE, args.dtype)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"gpt-jax serve: {error}") from None
+    if args.kv_cache_bytes < page:
+        raise SystemExit(f"gpt-jax serve: --kv-cache-bytes {args.kv_cache_bytes} holds no KV "
+                         f"page; one page of {PAGE_SIZE} tokens takes {page} bytes")
 
 
 def _chat_template(path: str | None, source: Path) -> ChatTemplate | None:

@@ -349,15 +349,15 @@ def test_the_program_never_calls_the_cpu_kernel(exported, config):
 
 
 BAD_FLAGS = [
-    (["--batch", "0"], r"batch=0 is out of range; allowed: an int >= 1"),
+    (["--batch", "0"], r"--batch 0 is out of range; allowed: an int >= 1"),
     (["--prompt-len", "100", "--max-new-tokens", "29"],
-     r"prompt_len 100 \+ max_new_tokens 29 = 129 exceeds the model's max_seq_len 128; "
+     r"--prompt-len 100 \+ --max-new-tokens 29 = 129 exceeds the model's max_seq_len 128; "
      r"allowed: a sum of at most 128"),
-    (["--max-new-tokens", "-1"], r"max_new_tokens=-1 is out of range; allowed: an int >= 1"),
-    (["--platforms", "cpu,gpu"], r"platforms='cpu,gpu' is not allowed; allowed: one or more "
+    (["--max-new-tokens", "-1"], r"--max-new-tokens -1 is out of range; allowed: an int >= 1"),
+    (["--platforms", "cpu,gpu"], r"--platforms 'cpu,gpu' is not allowed; allowed: one or more "
                                  r"of cpu, cuda, rocm, tpu, each once"),
-    (["--platforms", "cpu,cpu"], r"platforms='cpu,cpu' is not allowed"),
-    (["--platforms", ""], r"platforms='' is not allowed"),  # was the default, silently
+    (["--platforms", "cpu,cpu"], r"--platforms 'cpu,cpu' is not allowed"),
+    (["--platforms", ""], r"--platforms '' is not allowed"),  # was the default, silently
     (["--out", "."], r"--out \S+ is a directory; allowed: a file path"),
     # a file where a folder of the path must go (found by a new user: a traceback, and only
     # after the export had run)
@@ -369,6 +369,8 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("flags, message", BAD_FLAGS)
 def test_bad_cli_input_is_refused_before_the_weights_are_read(tmp_path, config, flags, message):
+    """Each names the flag (a new user's trial: they named the Python parameter, `batch=0`,
+    which the API still names)."""
     checkpoint.save_config(tmp_path, config)  # no checkpoint: reading weights would fail
     out = tmp_path / "out.jaxexport"
     args = {"--out": str(out), "--batch": "2", "--prompt-len": "8", "--max-new-tokens": "8"}
@@ -378,6 +380,13 @@ def test_bad_cli_input_is_refused_before_the_weights_are_read(tmp_path, config, 
     with pytest.raises(SystemExit, match=f"^gpt-jax export: {message}"):
         gpt_jax_cli.main(argv)
     assert not out.exists()
+
+
+def test_the_api_names_its_parameters(config):
+    with pytest.raises(ValueError, match=r"^batch=0 is out of range; allowed: an int >= 1$"):
+        export.check_shape(config, 0, 8, 8)
+    with pytest.raises(ValueError, match=r"^platforms='gpu' is not allowed"):
+        export.check_shape(config, 1, 8, 8, ("gpu",))
 
 
 def test_export_has_no_quantize_flag(tmp_path, config, capsys):

@@ -532,16 +532,22 @@ def test_serve_on_a_port_in_use_exits_1_naming_it_before_loading(tmp_path, confi
 @pytest.mark.parametrize("flags, message", [
     (["--port", "99999"], r"--port must be in \[1, 65535\], got 99999$"),
     (["--max-queue", "-1"], r"--max-queue must be >= 0, got -1$"),
-    (["--kv-cache-bytes", "10"], r"kv_cache_bytes=10 holds no page; one page of \d+ tokens "
-                                 r"takes \d+ bytes$"),
+    (["--kv-cache-bytes", "10"], r"--kv-cache-bytes 10 holds no KV page; one page of \d+ "
+                                 r"tokens takes \d+ bytes$"),
     (["--run-dir", "{empty}"], r"config\.json"),
-], ids=["port", "max-queue", "kv-cache-bytes", "not-a-run"])
+    (["--shutdown-timeout", "-1"], r"--shutdown-timeout must be >= 0 \(seconds\), got -1$"),
+    (["--served-model-name", ""], r"--served-model-name '' is empty; allowed: the model id "
+                                  r"clients send, or no flag for the directory's name$"),
+], ids=["port", "max-queue", "kv-cache-bytes", "not-a-run", "shutdown-timeout",
+        "served-model-name"])
 def test_serve_refuses_bad_flags_and_models_before_it_listens(tmp_path, config, params,
                                                               monkeypatch, flags, message):
     """Fault (found by a new user): --port 99999 listened on 34463 (99999 - 65536) while
     it printed 99999, and a directory that is not a run, or a page pool too small, started
-    a server that answered 500 to everything and printed nothing. Each now stops the
-    command, naming the value, before uvicorn starts."""
+    a server that answered 500 to everything and printed nothing; a later trial: a negative
+    --shutdown-timeout and an empty --served-model-name were accepted, and the page pool's
+    error named the Python parameter `kv_cache_bytes=`. Each now stops the command, naming
+    the flag and value, before uvicorn starts."""
     from inference import serve
 
     run_dir = save_run(tmp_path / "run", config, params)
