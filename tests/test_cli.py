@@ -69,3 +69,16 @@ def test_training_restarts_itself_with_huge_pages_once(tmp_path):
         "glibc.pthread.rseq=1:glibc.malloc.hugetlb=1 ['--max-steps', '3']"
     assert run("") == "glibc.malloc.hugetlb=1 ['--max-steps', '3']"
     assert run("glibc.malloc.hugetlb=0") == "not restarted"  # the user's setting stands
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "export"])
+def test_run_dir_and_hf_checkpoint_together_are_refused(command, tmp_path, capsys):
+    """Fault (a new user's trial): `generate --run-dir A --hf-checkpoint B` silently took B.
+    Every command taking both refuses them together (the default --run-dir spelt out too)."""
+    from gpt_jax.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--run-dir", "runs/shakespeare-char", "--hf-checkpoint", str(tmp_path)])
+    assert stop.value.code == 2
+    assert "argument --hf-checkpoint: not allowed with argument --run-dir" in \
+        capsys.readouterr().err
