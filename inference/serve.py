@@ -18,7 +18,6 @@ from typing import Callable
 import uvicorn
 
 from gpt_jax.cache import cache_bytes
-from inference import server
 from inference.chat import ChatTemplate
 from inference.engine import Engine
 from inference.load import add_model_args, load_config, load_model
@@ -40,12 +39,38 @@ def parse_origins(values: list[str] | None) -> tuple[str, ...]:
     return origins
 
 
+DESCRIPTION = r"""An OpenAI-compatible HTTP server for a trained run (--run-dir) or a Hugging Face
+directory (--hf-checkpoint):
+
+  gpt-jax serve --run-dir runs/shakespeare-char --port 8000
+  curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "shakespeare-char", "prompt": "Romeo.\n", "max_tokens": 50}'
+
+or any OpenAI client: openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY).
+Endpoints: POST /v1/completions and /v1/chat/completions (streaming too), GET /v1/models,
+/health (503 while the model loads), /metrics (Prometheus) and / (a playground page).
+It prints "ready" once it serves; SIGTERM or Ctrl-C lets the requests in flight finish
+(at most --shutdown-timeout seconds) and exits 0."""
+
+
+class _HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and each flag's default after its help, where there is
+    one to say (not None or False, and not already in the help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or \
+                "default" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpt-jax serve", description=server.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="gpt-jax serve", description=DESCRIPTION,
+                                formatter_class=_HelpWithDefaults)
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the run or checkpoint "
                         "directory's name)")
