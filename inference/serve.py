@@ -1,14 +1,17 @@
 """`gpt-jax serve`, the command: its flags, the port taken before anything loads, the model
 loaded, then uvicorn serving the app (`inference.server`) on that port. It prints "ready"
 once uvicorn listens and the engine serves; SIGTERM (or Ctrl-C) drains the requests in
-flight (at most `--shutdown-timeout` seconds) and exits 0."""
+flight (at most `--shutdown-timeout` seconds) and exits 0; while the model still loads or
+compiles, it stops at once with one line (exit 143, or 130 for Ctrl-C)."""
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -126,19 +129,36 @@ def main(argv=None) -> None:
                        api_key=args.api_key, max_queue=args.max_queue,
                        shutdown_timeout=args.shutdown_timeout, allowed_origins=origins)
     cfg.chat_template = _chat_template(args.chat_template, source)
+    loaded = threading.Event()  # set once the loading thread is done, whatever its end
+    previous = {sig: signal.signal(sig, _stop_handler(loaded))  # uvicorn's own while it
+                for sig in (signal.SIGTERM, signal.SIGINT)}     # runs, then again
+    try:
+        _serve(args, cfg, source, loaded)
+    finally:  # a caller in this process (a test) gets its own handlers back
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve(args: argparse.Namespace, cfg: ServerConfig, source: Path,
+           loaded: threading.Event) -> None:
+    """Take the port, load the model, serve until SIGTERM or Ctrl-C; `loaded` is set once
+    the loading thread is done (the programs compiled, or failed)."""
     sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
     engine, cfg.eos_token_ids = _engine(args, source)
 
     def load() -> Engine:
         """Compile the engine's programs (the slow part) while /health answers 503."""
-        if not args.no_warmup:
-            print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} slots); "
-                  "/health answers 503 until they are ready", flush=True)
-            tick = time.monotonic()
-            compiled = engine.warmup()
-            print(f"gpt-jax serve: {compiled} programs compiled in "
-                  f"{time.monotonic() - tick:.0f} s", flush=True)
-        return engine
+        try:
+            if not args.no_warmup:
+                print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} "
+                      "slots); /health answers 503 until they are ready", flush=True)
+                tick = time.monotonic()
+                compiled = engine.warmup()
+                print(f"gpt-jax serve: {compiled} programs compiled in "
+                      f"{time.monotonic() - tick:.0f} s", flush=True)
+            return engine
+        finally:
+            loaded.set()
 
     listening = threading.Event()
 
@@ -150,9 +170,22 @@ def main(argv=None) -> None:
     config = uvicorn.Config(create_app(load, cfg, on_ready=ready), host=args.host,
                             port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores after its drain
-        signal.signal(sig, signal.SIG_IGN)
     _Uvicorn(config, on_listening=listening.set).run(sockets=[sock])
+
+
+def _stop_handler(loaded: threading.Event) -> Callable[[int, object], None]:
+    """The SIGTERM and Ctrl-C handler outside uvicorn's run, which re-raises the signal it
+    drained under it. While the model loads (in this thread before uvicorn starts, in the
+    loading thread after), one line, then exit 128 + the signal's number at once, skipping
+    the interpreter's shutdown: with the loading thread inside XLA's compiler, that shutdown
+    crashed the process (a new user's trial: exit 139, or 134 "FATAL: exception not
+    rethrown"). Once loaded, nothing: uvicorn drained, and the command exits 0."""
+    def handler(sig: int, frame) -> None:
+        if not loaded.is_set():
+            print(f"gpt-jax serve: {signal.Signals(sig).name} while the model was loading; "
+                  "stopped", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
+    return handler
 
 
 def check_kv_cache_bytes(args: argparse.Namespace) -> None:

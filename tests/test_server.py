@@ -505,6 +505,34 @@ def test_gpt_jax_serve_finishes_requests_in_flight_on_sigterm(tmp_path, config, 
             proc.kill()
 
 
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_while_the_programs_compile_stops_with_one_line(tmp_path, config, params,
+                                                                 sig, status):
+    """Fault (a new user's trial): SIGTERM or Ctrl-C while `gpt-jax serve` compiled its
+    programs at start-up crashed it (exit 139, or 134 after "terminate called after
+    throwing ..." or "FATAL: exception not rethrown"): the interpreter shut down with the
+    loading thread inside XLA's compiler. Now one line and the signal's status."""
+    run_dir = save_run(tmp_path / "run", config, params)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpt_jax.cli", "serve", "--run-dir", str(run_dir), "--port",
+         str(free_port()), "--max-slots", "2"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        printed = "".join(iter_until(proc.stdout, "compiling the engine's programs"))
+        assert "compiling" in printed, printed
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == status
+        assert "programs compiled" not in proc.stdout.read()  # it was still compiling
+        stderr = proc.stderr.read()
+        assert stderr.splitlines()[-1] == \
+            f"gpt-jax serve: {sig.name} while the model was loading; stopped", stderr
+        assert "Traceback" not in stderr and "terminate" not in stderr, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def iter_until(lines, mark: str):
     """`lines` up to and including the first that contains `mark` (all of them if none)."""
     for line in lines:
