@@ -189,7 +189,7 @@ def throughput(args) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    rows = []
+    rows, partial = [], RESULTS / f"throughput{args.tag}.partial.json"
     for name in args.presets:
         config = preset(name)
         with tempfile.TemporaryDirectory() as tmp:
@@ -249,6 +249,9 @@ def throughput(args) -> None:
                         if model is not None:
                             row["x_transformers"] = median["transformers"] / median[engine]
                     rows.append(row)
+                # so far, for a long run stopped early (results/NAME.json is written last)
+                RESULTS.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
         del model, params, laid_out, laid_out_bf16, quantized  # the next preset's memory
 
     def plot(ax, rows):
@@ -268,6 +271,7 @@ def throughput(args) -> None:
 
     save("throughput" + args.tag, rows, plot, {"threads": args.threads,
                                                "quantize": args.quantize})
+    partial.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------- 3: decode vs live length
