@@ -22,7 +22,7 @@ EXTRA_NEEDS = {"serve": ("accelerate", "bench", "--servers gpt-jax")}
 def missing_extra(name: str, args: list[str]) -> str | None:
     """The one line saying which extra benchmark `name` (run with `args`) needs and lacks;
     None when nothing is missing, or the flags leave out what needs it."""
-    if name not in EXTRA_NEEDS:
+    if name not in EXTRA_NEEDS or {"-h", "--help"} & set(args):  # help needs nothing
         return None
     module, extra, without = EXTRA_NEEDS[name]
     flag, value = without.split()

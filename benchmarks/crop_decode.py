@@ -137,7 +137,7 @@ def step_costs(params, config, batch) -> dict[str, float]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="gpt-jax bench crop_decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)

@@ -33,7 +33,7 @@ def timed(fn, params, config, prompts, sampling) -> tuple[float, list]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="gpt-jax bench demo_decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", default="runs/shakespeare-char")
     parser.add_argument("--max-new-tokens", type=int, default=300)

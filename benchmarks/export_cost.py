@@ -146,7 +146,7 @@ def plot(ax, rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="gpt-jax bench export_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["shakespeare-char", "gpt2"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])

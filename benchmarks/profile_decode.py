@@ -48,7 +48,8 @@ def hlo_ops(hlo_text: str) -> dict[str, str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="gpt-jax bench profile_decode",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="gpt2")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--live", type=int, default=128)

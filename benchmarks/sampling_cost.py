@@ -62,7 +62,8 @@ def timed(params, config, prompts, sampling) -> tuple[float, int]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="gpt-jax bench sampling_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="shakespeare-char")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=16)

@@ -277,7 +277,7 @@ def plot(ax, rows):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="gpt-jax bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", nargs="+", default=["gpt-jax", "transformers"],
                    choices=["gpt-jax", "transformers"])

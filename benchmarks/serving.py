@@ -276,7 +276,7 @@ def decode_step(args, params, config):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="gpt-jax bench serving", description=__doc__.split("\n")[0])
     p.add_argument("scenario", choices=["arrivals", "prefix", "long-prompt", "decode-step"])
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--rounds", type=int, default=3,

@@ -14,7 +14,7 @@ Usage (also `gpt-jax bench NAME [flags]`; every run writes benchmarks/results/NA
 Weights are random (no downloads), float32 (`roofline` and `throughput --bf16` add the
 bfloat16 weights-and-cache mode, `throughput --quantize int8` the int8 weights). Ours and
 `transformers` run in the same process
-on identical weights (saved by transformers, imported with `gpt_jax.load_hf_gpt2`), in turn
+on identical weights (written by `gpt_jax.save_hf`, read by both), in turn
 over `--rounds` rounds, each figure the median of its rounds, so a busy moment of the machine
 slows both alike: compare the ratios, not the absolute figures.
 Compilation is never timed (each program runs once before it is timed).
@@ -126,21 +126,31 @@ def random_prompts(config, batch, length=PROMPT_LEN, seed=0):
 
 
 def hf_model(config: GPTConfig, directory: str):
-    """A random `transformers` GPT-2 of `config`'s shape, saved to `directory`, and our
-    params imported from that directory (identical weights)."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """`(model, params, load_s)`: random weights of `config`'s shape (any family) saved as a
+    Hugging Face directory (`gpt_jax.save_hf`), our params loaded from it in `load_s`
+    seconds (`gpt_jax.load_hf`, float32), and `transformers` `AutoModelForCausalLM` of the
+    same directory: identical weights."""
+    from transformers import AutoModelForCausalLM
 
-    from gpt_jax import load_hf_gpt2
+    from gpt_jax import load_hf, save_hf
 
-    torch.manual_seed(0)
-    hf_config = GPT2Config(vocab_size=config.vocab_size, n_positions=config.max_seq_len,
-                           n_embd=config.d_model, n_layer=config.n_layers, n_head=config.n_heads,
-                           bos_token_id=0, eos_token_id=0)  # min_new_tokens keeps it unsaid
-    model = GPT2LMHeadModel(hf_config).eval()
-    model.save_pretrained(directory)
-    _, params = load_hf_gpt2(directory)
-    return model, params
+    save_hf(config, init_params(config, jax.random.key(0)), directory)
+    start = time.perf_counter()
+    _, params = load_hf(directory)
+    params = jax.block_until_ready(params)
+    load_s = time.perf_counter() - start
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype="float32").eval()
+    return model, params, load_s
+
+
+def bound_step_seconds(params, config, new_tokens: int, bandwidth_s: float) -> float:
+    """The float32 memory-bound limit of one batch-1 decode step (the roofline's method):
+    every weight byte plus the live KV bytes (the mean live length over the generation),
+    read once at the bandwidth `bandwidth_s` (seconds to read `BANDWIDTH_BYTES`) measures."""
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    live = PROMPT_LEN + new_tokens / 2
+    kv_bytes = 2 * config.n_layers * live * config.kv_heads * config.head_dim * 4
+    return (weight_bytes + kv_bytes) / (BANDWIDTH_BYTES / bandwidth_s)
 
 
 def hf_generate_seconds(model, prompts, new_tokens) -> float:
@@ -179,16 +189,20 @@ def throughput(args) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    rows = []
+    rows, partial = [], RESULTS / f"throughput{args.tag}.partial.json"
     for name in args.presets:
         config = preset(name)
         with tempfile.TemporaryDirectory() as tmp:
-            model, params = hf_model(config, tmp) if args.hf else (None, init_params(
-                config, jax.random.key(0)))
-        params_bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+            model, params, load_s = hf_model(config, tmp) if args.hf else (
+                None, init_params(config, jax.random.key(0)), None)
         # Ours runs the weights in the decode layout, made once (as `LLM` does), not per call.
-        laid_out, laid_out_bf16 = (jax.jit(decode_layout)(p) for p in (params, params_bf16))
+        laid_out = jax.jit(decode_layout)(params)
+        laid_out_bf16 = jax.jit(decode_layout)(jax.tree.map(
+            lambda a: a.astype(jnp.bfloat16), params)) if args.bf16 else None
         quantized = quantize(params, args.quantize) if args.quantize else None
+        first = SamplingParams(temperature=0.0, max_new_tokens=1)
+        first_token_s = timed(lambda: generate(  # noqa: B023
+            laid_out, config, random_prompts(config, 1), first), repeats=3)  # noqa: B023
         for new in args.new_tokens:
             step = naive_step_seconds(params, config, 1, new)
             rows.append({"preset": name, "engine": "naive", "batch": 1, "new_tokens": new,
@@ -208,11 +222,15 @@ def throughput(args) -> None:
                 if model is not None:
                     runs["transformers"] = functools.partial(
                         hf_generate_seconds, model, prompts, new)
+                if batch == 1:  # the bandwidth in the same rounds: the same load
+                    runs["bandwidth"] = bandwidth_seconds()
                 for run in runs.values():
                     run()  # compile (ours) and warm up, untimed
                 times = interleaved(runs, args.rounds)
                 median = {engine: float(np.median(t)) for engine, t in times.items()}
                 for engine, t in times.items():
+                    if engine == "bandwidth":
+                        continue
                     row = {"preset": name, "engine": engine, "batch": batch, "new_tokens": new,
                            "tok_per_s": batch * new / median[engine],
                            "ms_per_step": 1e3 * median[engine] / new,
@@ -221,11 +239,20 @@ def throughput(args) -> None:
                         row["x_transformers"] = median["transformers"] / median[engine]
                     if engine == "gpt-jax" and batch == 1:
                         row["x_naive"] = row["tok_per_s"] * step  # naive runs 1/step tokens/s
+                        bound = bound_step_seconds(params, config, new, median["bandwidth"])
+                        row |= {"bandwidth_GBs": BANDWIDTH_BYTES / median["bandwidth"] / 1e9,
+                                "bound_ms": 1e3 * bound,
+                                "x_bound": bound / (median[engine] / new),
+                                "first_token_ms": 1e3 * first_token_s, "load_s": load_s}
                     if engine in ("gpt-jax bf16", f"gpt-jax {args.quantize}"):
                         row["x_float32"] = median["gpt-jax"] / median[engine]
                         if model is not None:
                             row["x_transformers"] = median["transformers"] / median[engine]
                     rows.append(row)
+                # so far, for a long run stopped early (results/NAME.json is written last)
+                RESULTS.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+        del model, params, laid_out, laid_out_bf16, quantized  # the next preset's memory
 
     def plot(ax, rows):
         for engine in ("naive", "gpt-jax", "gpt-jax bf16", f"gpt-jax {args.quantize}",
@@ -244,6 +271,7 @@ def throughput(args) -> None:
 
     save("throughput" + args.tag, rows, plot, {"threads": args.threads,
                                                "quantize": args.quantize})
+    partial.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------- 3: decode vs live length
@@ -312,11 +340,22 @@ def live_length(args) -> None:
 # ---------------------------------------------------------------------------- 4: roofline
 
 
-def bandwidth_gbs(n_bytes: int = 1 << 29) -> float:
-    """Memory read bandwidth: a jitted sum over a float32 array far larger than the caches."""
-    x = jnp.ones((n_bytes // 4,), jnp.float32)
-    seconds = timed(lambda: jax.jit(jnp.sum)(x), repeats=5)
-    return n_bytes / seconds / 1e9
+BANDWIDTH_BYTES = 1 << 29  # a float32 array far larger than the caches
+
+
+def bandwidth_seconds():
+    """A function returning the seconds of one memory read of `BANDWIDTH_BYTES` (a jitted sum
+    over an array of that size), to time beside the engines."""
+    x = jnp.ones((BANDWIDTH_BYTES // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    return lambda: seconds(lambda: total(x))
+
+
+def bandwidth_gbs() -> float:
+    """Memory read bandwidth in GB/s: the best of 5 reads of `bandwidth_seconds`."""
+    read = bandwidth_seconds()
+    read()
+    return BANDWIDTH_BYTES / min(read() for _ in range(5)) / 1e9
 
 
 def roofline(args) -> None:

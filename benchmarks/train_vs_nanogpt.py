@@ -177,7 +177,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="gpt-jax bench train_vs_nanogpt",
+                                     description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="nanogpt-cpu",
                         choices=("nanogpt-cpu", "shakespeare-char"),

@@ -154,7 +154,7 @@ def timed_steps(proc: subprocess.Popen, steps: int) -> float:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="gpt-jax bench train_vs_torch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="train steps per side per round")

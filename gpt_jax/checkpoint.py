@@ -71,11 +71,19 @@ def save_config(run_dir, config: GPTConfig) -> None:
 
 def load_config(run_dir) -> GPTConfig:
     """The run's GPTConfig (one saved before the architecture fields existed is GPT-2's).
-    Raises FileNotFoundError naming the run directory when it has no config.json."""
+    Raises FileNotFoundError naming the run directory when it has no config.json, and
+    ValueError naming the file and what is wrong when it is not a GPTConfig's JSON."""
     path = Path(run_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{run_dir} is not a run directory: {path} does not exist")
-    return GPTConfig.from_dict(json.loads(path.read_text()))
+    try:
+        fields = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    try:
+        return GPTConfig.from_dict(fields)
+    except (ValueError, TypeError) as error:  # TypeError: a value of the wrong type
+        raise ValueError(f"{path}: {error}") from None
 
 
 def save_tokenizer(run_dir, tokenizer) -> None:

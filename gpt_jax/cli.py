@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-USAGE = """usage: gpt-jax COMMAND [flags]
+USAGE = """usage: gpt-jax COMMAND [flags]; gpt-jax --version
 
 commands:
   data       download the built-in Shakespeare corpus and print its size
@@ -94,6 +94,11 @@ def main(argv=None):
         own_process, argv = argv is None, sys.argv[1:] if argv is None else argv
         if not argv or argv[0] in ("-h", "--help"):
             print(USAGE)
+            return 0
+        if argv[0] == "--version":
+            from importlib.metadata import version
+
+            print(f"gpt-jax {version('gpt-jax')}")
             return 0
         return dispatch(argv, own_process)
 

@@ -129,7 +129,22 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, fields: dict) -> GPTConfig:
         """A config from `to_dict`'s output. Fields it lacks take their defaults, so a config
-        saved before a field existed (a GPT-2 run directory) means what it meant then."""
+        saved before a field existed (a GPT-2 run directory) means what it meant then.
+
+        Raises:
+          ValueError: `fields` is not a dict, lacks a field without a default (the sizes),
+            holds a field GPTConfig does not have (naming them), or a value out of range.
+        """
+        if not isinstance(fields, dict):
+            raise ValueError(f"expected an object of GPTConfig fields, got {fields!r:.60}")
+        known = {f.name: f.default for f in dataclasses.fields(cls)}
+        missing = [n for n, default in known.items()
+                   if default is dataclasses.MISSING and n not in fields]
+        unknown = [n for n in fields if n not in known]
+        if missing or unknown:
+            raise ValueError("GPTConfig fields: " + "; ".join(
+                f"{what} {', '.join(names)}" for what, names in
+                (("missing", missing), ("unknown", unknown)) if names))
         scaling = fields.get("rope_scaling")
         if isinstance(scaling, dict):
             fields = {**fields, "rope_scaling": RopeScaling(**scaling)}

@@ -5,7 +5,8 @@ EOS id.
 
 A directory holds `config.json` (its `model_type` and `architectures` name the family) and
 the weights in `model.safetensors`, or shards listed in `model.safetensors.index.json`
-(float32, bfloat16 or float16), or `pytorch_model.bin` when torch is installed, optionally
+(float32, bfloat16 or float16), or PyTorch pickles (`pytorch_model.bin`, or shards listed
+in `pytorch_model.bin.index.json`) when torch is installed, optionally
 with a tokenizer (`tokenizer.json`, or `vocab.json` + `merges.txt`). The config is read and
 checked (an unknown architecture, or a feature we do not implement, refused by name) before
 any weight is read.
@@ -30,6 +31,7 @@ from gpt_jax.tokenizer import BPETokenizer
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_BIN = "pytorch_model.bin"
+TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 
 
 def _read_json(path: Path) -> tuple[dict, Path]:
@@ -37,7 +39,13 @@ def _read_json(path: Path) -> tuple[dict, Path]:
     if not config_path.exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory: "
                                 f"{config_path} does not exist")
-    return json.loads(config_path.read_text()), config_path
+    try:
+        hf = json.loads(config_path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{config_path} is not valid JSON: {error}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {hf!r:.60}")
+    return hf, config_path
 
 
 def _read_config(path: Path, only: str | None = None) -> tuple[GPTConfig, str]:
@@ -49,26 +57,46 @@ def _read_config(path: Path, only: str | None = None) -> tuple[GPTConfig, str]:
     return hf_families.read_config(hf, config_path), hf["model_type"]
 
 
+def _shards(path: Path, index: str) -> list[Path]:
+    """The weight files an index (`model.safetensors.index.json`, ...) lists, in order."""
+    return [path / f for f in sorted(set(json.loads((path / index).read_text())["weight_map"]
+                                         .values()))]
+
+
 def _read_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
     """All tensors of the directory as numpy arrays in their stored dtype (bfloat16 as
-    `ml_dtypes.bfloat16`), by their names in the files."""
+    `ml_dtypes.bfloat16`; float32 from PyTorch pickles), by their names in the files."""
     from safetensors.numpy import load_file
 
     if (path / SAFETENSORS).exists():
         return load_file(path / SAFETENSORS)
     if (path / SAFETENSORS_INDEX).exists():
-        shards = sorted(set(json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(path / shard).items()}
+        return {k: v for shard in _shards(path, SAFETENSORS_INDEX)
+                for k, v in load_file(shard).items()}
     if (path / TORCH_BIN).exists():
-        try:
-            import torch
-        except ImportError:
-            raise ImportError(f"{path / TORCH_BIN} needs torch to be read; install torch or "
-                              f"convert it to {SAFETENSORS}") from None
-        state = torch.load(path / TORCH_BIN, map_location="cpu", weights_only=True)
-        return {k: v.float().numpy() for k, v in state.items()}
+        return _read_torch([path / TORCH_BIN])
+    if (path / TORCH_BIN_INDEX).exists():
+        return _read_torch(_shards(path, TORCH_BIN_INDEX))
     raise FileNotFoundError(f"{path} holds no {what} weights: expected {path / SAFETENSORS} "
-                            f"(or {SAFETENSORS_INDEX} or {TORCH_BIN})")
+                            f"(or {SAFETENSORS_INDEX}, {TORCH_BIN} or {TORCH_BIN_INDEX})")
+
+
+def _read_torch(files: list[Path]) -> dict[str, np.ndarray]:
+    """The tensors of PyTorch pickles (what transformers wrote before safetensors, or with
+    `safe_serialization=False`) as float32 arrays. torch reads them; it is optional
+    (gpt-jax runs without it), so a directory holding only these files needs it installed.
+    `weights_only`: tensors alone are unpickled, never code."""
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(f"{files[0]} is a PyTorch pickle, which only torch reads, and torch "
+                          f"is not installed: install torch (`pip install torch`), or save "
+                          f"the weights as {SAFETENSORS}") from None
+    tensors = {}
+    for file in files:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        tensors |= {k: v.float().numpy() for k, v in state.items()}
+    return tensors
 
 
 def _load(path, dtype, only: str | None) -> tuple[GPTConfig, Params]:
@@ -94,7 +122,8 @@ def load_hf(path: str | os.PathLike, dtype=np.float32) -> tuple[GPTConfig, Param
 
     Raises:
       FileNotFoundError: no config.json, or no weights file (both named).
-      ImportError: only pytorch_model.bin is there and torch is not installed.
+      ImportError: only PyTorch pickles are there (pytorch_model.bin or its shards) and torch
+        is not installed (naming the file).
       ValueError, before any weight is read: an architecture we do not load; a size missing
         from config.json; a feature we do not implement (named with the file: Mistral's
         sliding window, a rope scaling type other than llama3, mixture of experts, ...).

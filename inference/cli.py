@@ -10,7 +10,8 @@ Every SamplingParams field is a flag. Past the model's context each token is pre
 the last max_seq_len tokens, as nanoGPT's sample.py does (--context-overflow crop, the
 default; error refuses such a request). Text is printed as it streams (one completion after
 another); --json instead prints one JSON list, a completion per prompt and sample, with
-tokens, text, finish reason, seed and (with --logprobs N) log-probabilities.
+tokens, text, finish reason, what repeats it (seed, n, sample_index: `--seed SEED --n N`
+gives the same samples, this one at sample_index) and (with --logprobs N) log-probabilities.
 
 `\\n` in a prompt or stop string is a newline. With --report, also prints the prefill time,
 decode tokens/s and the KV cache size of the batch.
@@ -102,11 +103,14 @@ def print_stream(llm: LLM, prompts: list[str], sampling: SamplingParams, out=Non
 
 
 def completions_json(prompts: list[str], sampling: SamplingParams, outputs) -> str:
-    """One JSON list: per completion its prompt, text, tokens, finish reason, seed and, when
-    asked, log-probabilities (top alternatives keyed by token id)."""
+    """One JSON list: per completion its prompt, text, tokens, finish reason, what repeats it
+    (`--seed SEED --n N` gives the prompt's N samples again, this one at `sample_index`: the
+    samples share the seed, sample k drawing from it folded with k) and, when asked,
+    log-probabilities (top alternatives keyed by token id)."""
     return json.dumps([
         {"prompt": prompts[i // sampling.n], "text": o.text, "tokens": o.tokens,
-         "finish_reason": o.finish_reason, "seed": o.seed, "logprobs": o.logprobs,
+         "finish_reason": o.finish_reason, "seed": o.seed, "n": sampling.n,
+         "sample_index": i % sampling.n, "logprobs": o.logprobs,
          "top_logprobs": o.top_logprobs}
         for i, o in enumerate(outputs)
     ], indent=1)
@@ -205,7 +209,7 @@ def main(argv=None):
         if not args.prompt_ids:
             validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling,
                      tokenizer=llm.tokenizer)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError, ImportError) as error:  # ImportError: a .bin without torch
         raise refusal(error) from None
     if args.prompt_ids:
         return print_token_ids(llm, args.prompt_ids, sampling)

@@ -96,29 +96,34 @@ OUTPUTS = (
 
 
 def check_shape(config: GPTConfig, batch, prompt_len, max_new_tokens, platforms=("cpu",),
-                eos_token_id=None) -> None:
+                eos_token_id=None, flags: bool = False) -> None:
     """Check an export's shapes against the model before any work.
 
     Raises:
       ValueError: batch, prompt_len or max_new_tokens not an int >= 1; prompt_len +
         max_new_tokens over config.max_seq_len; a platform not in PLATFORMS, or one given
         twice; an EOS id outside the vocabulary. The message names the value and what is
-        allowed.
+        allowed, as the parameter (`batch=0`), or with `flags` as `gpt-jax export`'s flag
+        (`--batch 0`).
     """
+    def named(name: str, value) -> str:
+        return f"--{name.replace('_', '-')} {value}" if flags else f"{name}={value}"
+
     for name, value in (("batch", batch), ("prompt_len", prompt_len),
                         ("max_new_tokens", max_new_tokens)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} is out of range; allowed: an int >= 1")
+            raise ValueError(f"{named(name, repr(value))} is out of range; allowed: an int >= 1")
     if prompt_len + max_new_tokens > config.max_seq_len:
+        sum_of = (f"--prompt-len {prompt_len} + --max-new-tokens {max_new_tokens}" if flags
+                  else f"prompt_len {prompt_len} + max_new_tokens {max_new_tokens}")
         raise ValueError(
-            f"prompt_len {prompt_len} + max_new_tokens {max_new_tokens} = "
-            f"{prompt_len + max_new_tokens} exceeds the model's max_seq_len "
+            f"{sum_of} = {prompt_len + max_new_tokens} exceeds the model's max_seq_len "
             f"{config.max_seq_len}; allowed: a sum of at most {config.max_seq_len}")
     platforms = tuple(platforms)
     bad = [p for p in platforms if p not in PLATFORMS]
     if bad or not platforms or len(set(platforms)) != len(platforms):
-        raise ValueError(f"platforms={','.join(platforms)!r} is not allowed; allowed: "
-                         f"one or more of {', '.join(PLATFORMS)}, each once")
+        raise ValueError(f"{named('platforms', repr(','.join(platforms)))} is not allowed; "
+                         f"allowed: one or more of {', '.join(PLATFORMS)}, each once")
     if any(not 0 <= i < config.vocab_size for i in eos_ids(eos_token_id)):
         raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary; allowed: "
                          f"None or ids in [0, {config.vocab_size})")
@@ -358,14 +363,15 @@ def main(argv=None):
     try:
         check_out(Path(args.out))
         config = load_config(args)  # the config alone: shapes are checked before the weights
-        check_shape(config, args.batch, args.prompt_len, args.max_new_tokens, platforms)
+        check_shape(config, args.batch, args.prompt_len, args.max_new_tokens, platforms,
+                    flags=True)
         params, config, tokenizer, eos = load_model(args)
         eos_token_id = eos[0] if len(eos) == 1 else list(eos) or None  # as config.json says
         exported = export_generate(
             params, config, batch=args.batch, prompt_len=args.prompt_len,
             max_new_tokens=args.max_new_tokens, eos_token_id=eos_token_id,
             platforms=platforms, cache_dtype=jnp.dtype(args.dtype))
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError, ImportError) as error:  # ImportError: a .bin without torch
         raise SystemExit(f"gpt-jax export: {error}") from None
     source = args.hf_checkpoint or args.run_dir
     try:

@@ -12,9 +12,16 @@ from inference.llm import DTYPES
 
 
 def add_model_args(p: argparse.ArgumentParser, quantize: bool = True) -> None:
-    """--run-dir, --hf-checkpoint, --dtype and (when `quantize`) --quantize: where the model
-    comes from (`load_model`) and how it runs."""
-    p.add_argument("--run-dir", default="runs/shakespeare-char", help="training run directory")
+    """--run-dir or --hf-checkpoint (one of them: argparse refuses both), --dtype and (when
+    `quantize`) --quantize: where the model comes from (`load_model`) and how it runs."""
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--run-dir", default="runs/shakespeare-char",
+                        help="training run directory (default: %(default)s)")
+    source.add_argument("--hf-checkpoint", metavar="DIR",
+                        help="a Hugging Face directory (config.json + model.safetensors) of "
+                             "GPT-2, Llama, Qwen2, Qwen3 or Mistral instead of --run-dir; text "
+                             "goes through its tokenizer (tokenizer.json, or vocab.json + "
+                             "merges.txt)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="weights and KV cache dtype (bfloat16 halves the bytes read per step)")
     if quantize:
@@ -22,11 +29,6 @@ def add_model_args(p: argparse.ArgumentParser, quantize: bool = True) -> None:
                        help="int8: weight-only int8, a float32 scale per output channel, "
                             "quantized at load (a quarter of float32's weight bytes per step; "
                             "activations float32; --dtype is then the KV cache's)")
-    p.add_argument("--hf-checkpoint", metavar="DIR",
-                   help="a Hugging Face directory (config.json + model.safetensors) of GPT-2, "
-                        "Llama, Qwen2, Qwen3 or Mistral "
-                        "instead of --run-dir; text goes through its tokenizer "
-                        "(tokenizer.json, or vocab.json + merges.txt)")
 
 
 def load_model(args):

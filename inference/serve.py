@@ -1,14 +1,17 @@
 """`gpt-jax serve`, the command: its flags, the port taken before anything loads, the model
 loaded, then uvicorn serving the app (`inference.server`) on that port. It prints "ready"
 once uvicorn listens and the engine serves; SIGTERM (or Ctrl-C) drains the requests in
-flight (at most `--shutdown-timeout` seconds) and exits 0."""
+flight (at most `--shutdown-timeout` seconds) and exits 0; while the model still loads or
+compiles, it stops at once with one line (exit 143, or 130 for Ctrl-C)."""
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -19,11 +22,13 @@ import jax
 import uvicorn
 
 from gpt_jax import tensor_parallel
-from inference import compile_cache, exported, server
+from gpt_jax.cache import cache_bytes
+from inference import compile_cache, exported
 from inference.chat import ChatTemplate
 from inference.engine import Engine
-from inference.load import add_model_args, load_model
+from inference.load import add_model_args, load_config, load_model
 from inference.server import ServerConfig, create_app
+from inference.steps import PAGE_SIZE
 
 
 def parse_origins(values: list[str] | None) -> tuple[str, ...]:
@@ -40,12 +45,38 @@ def parse_origins(values: list[str] | None) -> tuple[str, ...]:
     return origins
 
 
+DESCRIPTION = r"""An OpenAI-compatible HTTP server for a trained run (--run-dir) or a Hugging Face
+directory (--hf-checkpoint):
+
+  gpt-jax serve --run-dir runs/shakespeare-char --port 8000
+  curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "shakespeare-char", "prompt": "Romeo.\n", "max_tokens": 50}'
+
+or any OpenAI client: openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY).
+Endpoints: POST /v1/completions and /v1/chat/completions (streaming too), GET /v1/models,
+/health (503 while the model loads), /metrics (Prometheus) and / (a playground page).
+It prints "ready" once it serves; SIGTERM or Ctrl-C lets the requests in flight finish
+(at most --shutdown-timeout seconds) and exits 0."""
+
+
+class _HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and each flag's default after its help, where there is
+    one to say (not None or False, and not already in the help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or \
+                "default" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpt-jax serve", description=server.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="gpt-jax serve", description=DESCRIPTION,
+                                formatter_class=_HelpWithDefaults)
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the run or checkpoint "
                         "directory's name)")
@@ -87,9 +118,17 @@ def main(argv=None) -> None:
             allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
             raise SystemExit(f"gpt-jax serve: --{name.replace('_', '-')} must be {allowed}, "
                              f"got {value}")
+    if args.shutdown_timeout < 0:
+        raise SystemExit(f"gpt-jax serve: --shutdown-timeout must be >= 0 (seconds), got "
+                         f"{args.shutdown_timeout:g}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise SystemExit(f"gpt-jax serve: --served-model-name {args.served_model_name!r} is "
+                         "empty; allowed: the model id clients send, or no flag for the "
+                         "directory's name")
     source = Path(args.hf_checkpoint or args.run_dir)
     if not source.is_dir():
         raise SystemExit(f"gpt-jax serve: {source} is not a directory")
+    check_kv_cache_bytes(args)
     try:
         origins = parse_origins(args.allowed_origins)
     except ValueError as error:
@@ -98,6 +137,20 @@ def main(argv=None) -> None:
                        api_key=args.api_key, max_queue=args.max_queue,
                        shutdown_timeout=args.shutdown_timeout, allowed_origins=origins)
     cfg.chat_template = _chat_template(args.chat_template, source)
+    loaded = threading.Event()  # set once the loading thread is done, whatever its end
+    previous = {sig: signal.signal(sig, _stop_handler(loaded))  # uvicorn's own while it
+                for sig in (signal.SIGTERM, signal.SIGINT)}     # runs, then again
+    try:
+        _serve(args, cfg, source, loaded)
+    finally:  # a caller in this process (a test) gets its own handlers back
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve(args: argparse.Namespace, cfg: ServerConfig, source: Path,
+           loaded: threading.Event) -> None:
+    """Take the port, load the model, serve until SIGTERM or Ctrl-C; `loaded` is set once
+    the loading thread is done (the programs compiled, or failed)."""
     sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
     if args.tensor_parallel > 1:  # a CPU host as N devices (before JAX starts; only CPU's)
         jax.config.update("jax_num_cpu_devices", args.tensor_parallel)
@@ -108,18 +161,21 @@ def main(argv=None) -> None:
 
     def load() -> Engine:
         """Compile the engine's programs (the slow part) while /health answers 503."""
-        if not args.no_warmup:
-            print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} slots); "
-                  "/health answers 503 until they are ready", flush=True)
-            tick, before = time.monotonic(), compile_cache.programs()
-            engine.warmup()
-            after = compile_cache.programs()
-            print(f"gpt-jax serve: {after.loaded - before.loaded} programs loaded from cache, "
-                  f"{after.compiled - before.compiled} compiled in "
-                  f"{time.monotonic() - tick:.1f} s" + ("" if store is None else
-                  f" ({store.loaded} exported programs read, {store.exported} written)"),
-                  flush=True)
-        return engine
+        try:
+            if not args.no_warmup:
+                print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} "
+                      "slots); /health answers 503 until they are ready", flush=True)
+                tick, before = time.monotonic(), compile_cache.programs()
+                engine.warmup()
+                after = compile_cache.programs()
+                print(f"gpt-jax serve: {after.loaded - before.loaded} programs loaded from "
+                      f"cache, {after.compiled - before.compiled} compiled in "
+                      f"{time.monotonic() - tick:.1f} s" + ("" if store is None else
+                      f" ({store.loaded} exported programs read, {store.exported} written)"),
+                      flush=True)
+            return engine
+        finally:
+            loaded.set()
 
     listening = threading.Event()
 
@@ -131,9 +187,36 @@ def main(argv=None) -> None:
     config = uvicorn.Config(create_app(load, cfg, on_ready=ready), host=args.host,
                             port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores after its drain
-        signal.signal(sig, signal.SIG_IGN)
     _Uvicorn(config, on_listening=listening.set).run(sockets=[sock])
+
+
+def _stop_handler(loaded: threading.Event) -> Callable[[int, object], None]:
+    """The SIGTERM and Ctrl-C handler outside uvicorn's run, which re-raises the signal it
+    drained under it. While the model loads (in this thread before uvicorn starts, in the
+    loading thread after), one line, then exit 128 + the signal's number at once, skipping
+    the interpreter's shutdown: with the loading thread inside XLA's compiler, that shutdown
+    crashed the process (a new user's trial: exit 139, or 134 "FATAL: exception not
+    rethrown"). Once loaded, nothing: uvicorn drained, and the command exits 0."""
+    def handler(sig: int, frame) -> None:
+        if not loaded.is_set():
+            print(f"gpt-jax serve: {signal.Signals(sig).name} while the model was loading; "
+                  "stopped", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
+    return handler
+
+
+def check_kv_cache_bytes(args: argparse.Namespace) -> None:
+    """Stop the command, naming the flag, when --kv-cache-bytes holds no KV page of the
+    model (its config alone read), before the weights load."""
+    if args.kv_cache_bytes is None:
+        return
+    try:
+        page = cache_bytes(load_config(args), 1, PAGE_SIZE, args.dtype)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"gpt-jax serve: {error}") from None
+    if args.kv_cache_bytes < page:
+        raise SystemExit(f"gpt-jax serve: --kv-cache-bytes {args.kv_cache_bytes} holds no KV "
+                         f"page; one page of {PAGE_SIZE} tokens takes {page} bytes")
 
 
 def _chat_template(path: str | None, source: Path) -> ChatTemplate | None:
@@ -156,7 +239,7 @@ def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, tuple[int, 
         return Engine(params, config, tokenizer, max_slots=args.max_slots,
                       kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
                       quantize=args.quantize, mesh=_mesh(args.tensor_parallel)), eos
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, ImportError) as error:  # ImportError: a .bin without torch
         raise SystemExit(f"gpt-jax serve: {error}") from error
 
 

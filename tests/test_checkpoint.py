@@ -156,3 +156,33 @@ checkpoint.load_params({str(run_dir)!r})
     for symptom in ("Event loop is closed", "Exception ignored", "Task was destroyed",
                     "was never awaited", "Traceback"):
         assert symptom not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{}", "GPTConfig fields: missing vocab_size, max_seq_len, n_layers, n_heads, d_model"),
+    ('{"vocab_size": 65', "is not valid JSON: Expecting ',' delimiter: line 2 column 1"),
+    ("[1, 2]", "expected an object of GPTConfig fields, got [1, 2]"),
+    ('{"vocab_size": 9, "max_seq_len": 8, "n_layers": 1, "n_heads": 1, "d_model": 8, '
+     '"dmodel": 8}', "GPTConfig fields: unknown dmodel"),
+])
+def test_a_bad_config_json_is_one_line_naming_the_file(tmp_path, text, message):
+    """Fault (a new user's trial): a run directory's config.json of `{}` ended `gpt-jax
+    generate` in a TypeError traceback, and invalid JSON in a line without the file."""
+    from inference.cli import main
+
+    (tmp_path / "config.json").write_text(text + "\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["--run-dir", str(tmp_path)])
+    path = tmp_path / "config.json"
+    assert str(stop.value).startswith((f"gpt-jax generate: {path}: {message}",
+                                       f"gpt-jax generate: {path} {message}"))
+    assert "\n" not in str(stop.value)
+
+
+def test_a_hugging_face_config_json_that_is_not_json_names_the_file(tmp_path):
+    from inference.cli import main
+
+    (tmp_path / "config.json").write_text("{x")
+    with pytest.raises(SystemExit, match=rf"^gpt-jax generate: {tmp_path}/config.json is not "
+                                         r"valid JSON: Expecting property name"):
+        main(["--hf-checkpoint", str(tmp_path)])

@@ -69,3 +69,60 @@ def test_training_restarts_itself_with_huge_pages_once(tmp_path):
         "glibc.pthread.rseq=1:glibc.malloc.hugetlb=1 ['--max-steps', '3']"
     assert run("") == "glibc.malloc.hugetlb=1 ['--max-steps', '3']"
     assert run("glibc.malloc.hugetlb=0") == "not restarted"  # the user's setting stands
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "export"])
+def test_run_dir_and_hf_checkpoint_together_are_refused(command, tmp_path, capsys):
+    """Fault (a new user's trial): `generate --run-dir A --hf-checkpoint B` silently took B.
+    Every command taking both refuses them together (the default --run-dir spelt out too)."""
+    from gpt_jax.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--run-dir", "runs/shakespeare-char", "--hf-checkpoint", str(tmp_path)])
+    assert stop.value.code == 2
+    assert "argument --hf-checkpoint: not allowed with argument --run-dir" in \
+        capsys.readouterr().err
+
+
+def test_every_benchmark_help_names_the_command(capsys, monkeypatch):
+    """Fault (a new user's trial): `gpt-jax bench export_cost --help` said `usage:
+    export_cost.py` (runpy sets sys.argv[0] to the script's path)."""
+    monkeypatch.syspath_prepend(str(Path(cli.__file__).resolve().parent.parent / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    from bench import benchmark_names
+
+    for name in benchmark_names():
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["bench", name, "--help"])
+        assert stop.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: gpt-jax bench {name} "), name
+
+
+def test_data_help_prints_help_and_downloads_nothing(capsys, monkeypatch):
+    """Fault (a new user's trial): `gpt-jax data --help` ran the download."""
+    from training import data
+
+    monkeypatch.setattr(data, "shakespeare_plays", lambda: pytest.fail("it ran"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["data", "--help"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: gpt-jax data [-h]\n")
+
+
+def test_version_and_serve_help(capsys):
+    """A new user's trial: `gpt-jax --version` was an unknown command, and `serve --help`
+    showed the server module's developer notes and no defaults."""
+    from importlib.metadata import version
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"gpt-jax {version('gpt-jax')}\n"
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: gpt-jax serve ")
+    assert "An OpenAI-compatible HTTP server for a trained run" in out
+    for default in ("--port PORT port to listen on (default: 8000)",
+                    "--max-slots MAX_SLOTS samples decoded at once (default: 16)",
+                    "(default: runs/shakespeare- char)", "(default: 30.0)"):
+        assert default in out, default
+    assert "engine_loop" not in out and "This file is the app" not in out

@@ -2,8 +2,9 @@
 importing gpt_jax, inference and training fails loads it with `jax.export.deserialize`
 and calls it: its tokens equal `inference.generate`'s for the same requests (greedy and
 seeded top-p), for the shakespeare-char shape (exported by the CLI from a run directory,
-for cpu and cuda) and a GPT-2-shaped model (GPT-2's vocabulary and context, two narrow
-layers; exported through the API, with an EOS id). A call with another batch or prompt
+for cpu and cuda), a GPT-2-shaped model (GPT-2's vocabulary and context, two narrow
+layers; exported through the API, with an EOS id) and a tiny Llama-style model (exported by
+the CLI from a Hugging Face directory whose config.json names an EOS id). A call with another batch or prompt
 length fails with jax's shape error. Bad CLI input fails before the weights are read."""
 
 import argparse
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import TEST_XLA_FLAGS
-from gpt_jax import CharTokenizer, GPTConfig, checkpoint, init_params
+from gpt_jax import CharTokenizer, GPTConfig, checkpoint, init_params, save_hf
 from gpt_jax.kernels import paged_attention
 from gpt_jax import cli as gpt_jax_cli
 from inference import SamplingParams, export, generate
@@ -27,6 +28,8 @@ CHAR = GPTConfig.preset("shakespeare-char")
 GPT2_SHAPED = GPTConfig.preset("gpt2", n_layers=2, n_heads=2, d_model=64)
 CHAR_SHAPE = dict(batch=4, prompt_len=16, max_new_tokens=24)
 GPT2_SHAPE = dict(batch=2, prompt_len=32, max_new_tokens=16)
+LLAMA = GPTConfig.preset("tiny-llama")  # RMSNorm, rotary, gated SiLU, GQA 4:2, untied
+LLAMA_SHAPE = dict(batch=2, prompt_len=16, max_new_tokens=16)
 
 # Runs in the subprocess: block the package before anything imports, then, for each job
 # line on stdin, load and call its program on its saved inputs, and once more with a batch
@@ -169,6 +172,24 @@ def feed(process: subprocess.Popen, line: str) -> None:
                              f"its job:\n{stderr[-3000:]}") from None
 
 
+def export_llama(folder: Path):
+    """The tiny Llama-style model as a Hugging Face directory (`save_hf`) whose config.json
+    names as EOS a token its greedy row first emits mid-way, exported by `gpt-jax export
+    --hf-checkpoint`: the case tuple of `exported`."""
+    params = quick_params(LLAMA, seed=2)  # its greedy row meets a new token mid-way
+    hf_dir = folder / "llama-hf"
+    save_hf(LLAMA, params, hf_dir)
+    prompts, rows = requests(LLAMA, LLAMA_SHAPE)
+    plain = reference(params, LLAMA, prompts, rows, LLAMA_SHAPE["max_new_tokens"])
+    eos = next(t for i, t in enumerate(plain[0]) if i >= 3 and t not in plain[0][:i])
+    hf = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(hf | {"eos_token_id": eos}))
+    out = folder / "llama.jaxexport"
+    gpt_jax_cli.main(["export", "--hf-checkpoint", str(hf_dir), "--out", str(out),
+                      "--batch", "2", "--prompt-len", "16", "--max-new-tokens", "16"])
+    return params, LLAMA, LLAMA_SHAPE, eos, out
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """Export both models and hand each to the loader as soon as it is written; compute
@@ -210,6 +231,9 @@ def exported(tmp_path_factory):
         cases["gpt2"] = (gpt2_params, GPT2_SHAPED, GPT2_SHAPE, eos, gpt2_out)
         feed(loader, job(folder, "gpt2", GPT2_SHAPED, GPT2_SHAPE, gpt2_out))
 
+        cases["llama"] = export_llama(folder)
+        feed(loader, job(folder, "llama", LLAMA, LLAMA_SHAPE, cases["llama"][-1]))
+
         expected = {}
         for name, (params, config, shape, eos, _) in cases.items():  # while the loader runs
             prompts, rows = requests(config, shape)
@@ -241,7 +265,7 @@ def test_a_process_without_the_package_runs_the_program(exported):
     assert report[str(exported["cases"]["char"][-1])]["platforms"] == ["cpu", "cuda"]
 
 
-@pytest.mark.parametrize("name", ["char", "gpt2"])
+@pytest.mark.parametrize("name", ["char", "gpt2", "llama"])
 def test_exported_tokens_equal_generate(exported, name):
     got, expected = exported["got"][name], exported["expected"][name]
     *_, shape, eos, _ = exported["cases"][name]
@@ -253,7 +277,7 @@ def test_exported_tokens_equal_generate(exported, name):
         assert got[0][-1] == eos and len(got[0]) < shape["max_new_tokens"]
 
 
-@pytest.mark.parametrize("name", ["char", "gpt2"])
+@pytest.mark.parametrize("name", ["char", "gpt2", "llama"])
 def test_token_ids_outside_the_vocabulary_are_clamped_on_both_sides(exported, name):
     """Fault (issue 41): the program read id -5 as id V-5 (jax's gather wraps negative
     indices like numpy); the README says out-of-range ids are clamped: -5 runs as 0 and
@@ -325,15 +349,15 @@ def test_the_program_never_calls_the_cpu_kernel(exported, config):
 
 
 BAD_FLAGS = [
-    (["--batch", "0"], r"batch=0 is out of range; allowed: an int >= 1"),
+    (["--batch", "0"], r"--batch 0 is out of range; allowed: an int >= 1"),
     (["--prompt-len", "100", "--max-new-tokens", "29"],
-     r"prompt_len 100 \+ max_new_tokens 29 = 129 exceeds the model's max_seq_len 128; "
+     r"--prompt-len 100 \+ --max-new-tokens 29 = 129 exceeds the model's max_seq_len 128; "
      r"allowed: a sum of at most 128"),
-    (["--max-new-tokens", "-1"], r"max_new_tokens=-1 is out of range; allowed: an int >= 1"),
-    (["--platforms", "cpu,gpu"], r"platforms='cpu,gpu' is not allowed; allowed: one or more "
+    (["--max-new-tokens", "-1"], r"--max-new-tokens -1 is out of range; allowed: an int >= 1"),
+    (["--platforms", "cpu,gpu"], r"--platforms 'cpu,gpu' is not allowed; allowed: one or more "
                                  r"of cpu, cuda, rocm, tpu, each once"),
-    (["--platforms", "cpu,cpu"], r"platforms='cpu,cpu' is not allowed"),
-    (["--platforms", ""], r"platforms='' is not allowed"),  # was the default, silently
+    (["--platforms", "cpu,cpu"], r"--platforms 'cpu,cpu' is not allowed"),
+    (["--platforms", ""], r"--platforms '' is not allowed"),  # was the default, silently
     (["--out", "."], r"--out \S+ is a directory; allowed: a file path"),
     # a file where a folder of the path must go (found by a new user: a traceback, and only
     # after the export had run)
@@ -345,6 +369,8 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("flags, message", BAD_FLAGS)
 def test_bad_cli_input_is_refused_before_the_weights_are_read(tmp_path, config, flags, message):
+    """Each names the flag (a new user's trial: they named the Python parameter, `batch=0`,
+    which the API still names)."""
     checkpoint.save_config(tmp_path, config)  # no checkpoint: reading weights would fail
     out = tmp_path / "out.jaxexport"
     args = {"--out": str(out), "--batch": "2", "--prompt-len": "8", "--max-new-tokens": "8"}
@@ -354,6 +380,13 @@ def test_bad_cli_input_is_refused_before_the_weights_are_read(tmp_path, config, 
     with pytest.raises(SystemExit, match=f"^gpt-jax export: {message}"):
         gpt_jax_cli.main(argv)
     assert not out.exists()
+
+
+def test_the_api_names_its_parameters(config):
+    with pytest.raises(ValueError, match=r"^batch=0 is out of range; allowed: an int >= 1$"):
+        export.check_shape(config, 0, 8, 8)
+    with pytest.raises(ValueError, match=r"^platforms='gpu' is not allowed"):
+        export.check_shape(config, 1, 8, 8, ("gpu",))
 
 
 def test_export_has_no_quantize_flag(tmp_path, config, capsys):

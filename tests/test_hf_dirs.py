@@ -8,6 +8,7 @@ config.json and generation_config.json stops; `gpt-jax generate --hf-checkpoint`
 
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -162,12 +163,15 @@ def test_cli_generate_hf_checkpoint_prints_from_pretrained_text(hf_dir, capsys):
 
 def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
     """`gpt-jax serve --hf-checkpoint DIR` (a subprocess): a greedy completion is the text
-    `LLM.from_pretrained(DIR).generate` gives."""
+    `LLM.from_pretrained(DIR).generate` gives; a seeded n=2 sampled one, asked with the
+    official openai client, has the tokens of `LLM` and of `inference.generate` for the same
+    seed (the model: GQA 2:1, untied)."""
     import os
     import subprocess
     import sys
 
     import httpx2 as httpx
+    import openai
 
     from conftest import free_port
 
@@ -189,10 +193,100 @@ def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
                 "temperature": 0}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        (expected,) = LLM.from_pretrained(path).generate(
+        llm = LLM.from_pretrained(path)
+        (expected,) = llm.generate(
             [TEXTS[1]], SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS),
             progress=False)
         assert r.json()["choices"][0]["text"] == expected.text
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=120)
+        served = client.completions.create(model=path.name, prompt=TEXTS[0],
+                                           max_tokens=NEW_TOKENS, temperature=0.9, seed=7,
+                                           n=2, logprobs=1)
     finally:
         proc.kill()
         proc.wait(timeout=30)
+    _assert_seeded_pair_served(llm, served)
+
+
+def _assert_seeded_pair_served(llm, served):
+    """The server's seeded n=2 answer `served` holds the tokens `llm` and
+    `inference.generate` sample for TEXTS[0] with seed 7: two different lively samples."""
+    from inference import generate
+
+    sampling = SamplingParams(temperature=0.9, seed=7, n=2, max_new_tokens=NEW_TOKENS)
+    ours = llm.generate([TEXTS[0]], sampling, progress=False)
+    direct = generate(llm.params, llm.config, [llm.tokenizer.encode(TEXTS[0])],
+                      SamplingParams(temperature=0.9, seed=7, n=2, max_new_tokens=NEW_TOKENS,
+                                     stop_token_ids=[1]))
+    assert [o.tokens for o in ours] == [o.tokens for o in direct]
+    assert ours[0].tokens != ours[1].tokens
+    for choice, expected in zip(served.choices, ours, strict=True):
+        assert_lively(expected.tokens, 4)
+        assert choice.text == expected.text
+        assert choice.logprobs.tokens == [llm.tokenizer.decode([t]) for t in expected.tokens]
+    assert served.usage.completion_tokens == sum(len(o.tokens) for o in ours)
+
+
+def _torch_save(state: dict, folder, shards: int) -> None:
+    """`state` as transformers wrote PyTorch pickles (before safetensors, or with
+    safe_serialization=False): `pytorch_model.bin`, or shards and their index."""
+    if shards == 1:
+        torch.save(state, folder / "pytorch_model.bin")
+        return
+    names, weight_map = sorted(state), {}
+    for k in range(shards):
+        file = f"pytorch_model-{k + 1:05d}-of-{shards:05d}.bin"
+        torch.save({n: state[n] for n in names[k::shards]}, folder / file)
+        weight_map |= {n: file for n in names[k::shards]}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("dtype, files", [("float16", "safetensors"), ("float16", "bin"),
+                                          ("bfloat16", "bin shards")])
+def test_float16_and_torch_pickle_directories_load_their_weights(hf_dir, tmp_path, dtype,
+                                                                 files):
+    """A directory of float16 safetensors, or of PyTorch pickles (one file, or shards with
+    their index), loads the weights it holds: the float32 directory's rounded to its dtype."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from gpt_jax import load_hf
+
+    path, model = hf_dir
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    if files == "safetensors":
+        tensors = load_file(path / "model.safetensors")
+        save_file({k: v.astype(dtype) for k, v in tensors.items()},
+                  tmp_path / "model.safetensors", metadata={"format": "pt"})
+    else:
+        _torch_save({k: v.to(getattr(torch, dtype)) for k, v in model.state_dict().items()},
+                    tmp_path, shards=2 if "shards" in files else 1)
+    _, expected = load_hf(path)
+    _, params = load_hf(tmp_path)
+    rounded = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, dtype), np.float32), expected)
+    assert not jax.tree.all(jax.tree.map(np.array_equal, rounded, expected))  # it did round
+    jax.tree.map(np.testing.assert_array_equal, params, rounded)
+    assert jax.tree.all(jax.tree.map(lambda x: x.dtype == np.float32, params))
+
+
+def test_a_torch_pickle_without_torch_is_one_line_naming_the_file(hf_dir, tmp_path,
+                                                                  monkeypatch):
+    """torch is optional: a directory holding only pytorch_model.bin, where torch is not
+    installed, stops `gpt-jax generate` with one line naming the file and the way out."""
+    from inference.cli import main
+
+    path, model = hf_dir
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / name, tmp_path / name)
+    _torch_save(model.state_dict(), tmp_path, shards=1)
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    with pytest.raises(SystemExit) as stop:
+        main(["--hf-checkpoint", str(tmp_path), "--prompt", "a", "--max-new-tokens", "2"])
+    assert str(stop.value) == (
+        f"gpt-jax generate: {tmp_path / 'pytorch_model.bin'} is a PyTorch pickle, which only "
+        "torch reads, and torch is not installed: install torch (`pip install torch`), or "
+        "save the weights as model.safetensors")

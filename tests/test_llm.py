@@ -238,6 +238,20 @@ def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
         rule + p + e.text + "\n" for p, e in zip(prompts, expected)) + rule
 
 
+def test_generate_json_says_what_repeats_each_sample(llm, monkeypatch, capsys):
+    """Fault (a new user's trial): `generate --n 2 --json` printed the same seed for both
+    samples and nothing else: a sample could not be repeated from its record. Each now has
+    the seed, n and its sample_index, and those flags give its tokens again."""
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
+    argv = ["--prompt", PROMPT, "--temperature", "1", "--max-new-tokens", "10", "--json"]
+    cli.main(argv + ["--n", "2"])
+    first = json.loads(capsys.readouterr().out)
+    assert [r["sample_index"] for r in first] == [0, 1] and first[0]["tokens"] != first[1]["tokens"]
+    for row in first:
+        cli.main(argv + ["--seed", str(row["seed"]), "--n", str(row["n"])])
+        assert json.loads(capsys.readouterr().out)[row["sample_index"]]["tokens"] == row["tokens"]
+
+
 def test_default_max_new_tokens_fits_the_models_context_under_error(llm, config, monkeypatch,
                                                                     capsys):
     monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)

