@@ -114,7 +114,7 @@ def plot(ax, rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="gpt-jax bench onnx_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])

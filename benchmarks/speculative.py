@@ -105,7 +105,7 @@ def plot(rows, path: Path, title: str) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="gpt-jax bench speculative", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", default=None, help="a trained run (default: random)")
     parser.add_argument("--preset", default="shakespeare-char")

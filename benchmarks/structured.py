@@ -75,7 +75,7 @@ def timed(params, config, prompts, sampling, tokenizer) -> tuple[float, int, lis
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="gpt-jax bench structured", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batch", type=int, default=8)

@@ -100,7 +100,8 @@ def bench(preset: str, batch: int, rounds: int) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="gpt-jax bench tensor_parallel",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--presets", nargs="+", default=["gpt2", "qwen2.5-0.5b"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--rounds", type=int, default=5)

@@ -54,6 +54,27 @@ def free_port() -> int:
         return port
 
 
+def start_serve(args: list[str], port: int):
+    """`gpt-jax serve ARGS --port PORT` as a subprocess on the CPU, returned once it prints that
+    it is ready (asserted, with what it printed). The caller ends it (`proc.kill()`)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpt_jax.cli", "serve", *args, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    printed = ""
+    for line in proc.stdout:  # until it listens with the model loaded
+        printed += line
+        if " ready on " in line:
+            break
+    if " ready on " not in printed:
+        proc.kill()
+        raise AssertionError(printed)
+    return proc
+
+
 def lively_params(config, seed=5, scale=6.0):
     """Random params with weights scaled up (x6), so greedy decoding does not just repeat one
     token and equivalence tests can fail (see shared/cases/generation.md)."""

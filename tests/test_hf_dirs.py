@@ -166,29 +166,15 @@ def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
     `LLM.from_pretrained(DIR).generate` gives; a seeded n=2 sampled one, asked with the
     official openai client, has the tokens of `LLM` and of `inference.generate` for the same
     seed (the model: GQA 2:1, untied)."""
-    import os
-    import subprocess
-    import sys
-
     import httpx2 as httpx
     import openai
 
-    from conftest import free_port
+    from conftest import free_port, start_serve
 
     path, _ = hf_dir
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpt_jax.cli", "serve", "--hf-checkpoint", str(path), "--port",
-         str(port), "--max-slots", "2", "--no-warmup"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = start_serve(["--hf-checkpoint", str(path), "--max-slots", "2", "--no-warmup"], port)
     try:
-        printed = ""
-        for line in proc.stdout:  # until it listens with the model loaded
-            printed += line
-            if " ready on " in line:
-                break
-        assert " ready on " in printed, printed
         body = {"model": path.name, "prompt": TEXTS[1], "max_tokens": NEW_TOKENS,
                 "temperature": 0}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)

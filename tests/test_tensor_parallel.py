@@ -88,24 +88,15 @@ def test_serve_tensor_parallel_answers_as_one_device_and_reports_its_mesh(hf_dir
     import httpx2 as httpx
     from prometheus_client.utils import floatToGoString
 
-    from conftest import free_port
+    from conftest import free_port, start_serve
     from inference import LLM, SamplingParams
     from test_hf_dirs import NEW_TOKENS, TEXTS
 
     path, _ = hf_dir
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpt_jax.cli", "serve", "--hf-checkpoint", str(path), "--port",
-         str(port), "--max-slots", "2", "--no-warmup", "--tensor-parallel", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = start_serve(["--hf-checkpoint", str(path), "--max-slots", "2", "--no-warmup",
+                        "--tensor-parallel", "2"], port)
     try:
-        printed = ""
-        for line in proc.stdout:  # until it listens with the model loaded
-            printed += line
-            if " ready on " in line:
-                break
-        assert " ready on " in printed, printed
         body = {"model": path.name, "prompt": TEXTS[0], "max_tokens": NEW_TOKENS,
                 "temperature": 0}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
