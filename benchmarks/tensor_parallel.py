@@ -29,8 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from training.sharding import split_host_cpu  # noqa: E402
 
-split_host_cpu(2)  # before JAX starts its CPU backend
-
 import jax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,6 +104,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
+    split_host_cpu(2)  # before JAX starts its CPU backend (not at import: --help runs in-process)
     RESULTS.mkdir(parents=True, exist_ok=True)
     rows = []
     for preset in args.presets:
