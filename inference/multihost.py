@@ -52,6 +52,10 @@ from inference.errors import RequestError
 PREFIX = "gpt_jax/serve"  # the key-value store's keys: PREFIX/<follower>/<message number>
 POLL_MS = 10_000  # a follower's wait for the next plan before it asks again
 PROGRAMS = {"prefill": engine_prefill, "decode": engine_decode}
+# the flags that build the engine, which every process must share (the others, such as
+# --port or --api-key, only process 0 reads)
+ENGINE_FLAGS = ("hf_checkpoint", "run_dir", "dtype", "quantize", "max_slots", "kv_cache_bytes",
+                "tensor_parallel", "coordinator", "num_processes", "heartbeat_timeout_s")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -107,7 +111,7 @@ def check_flags(args: argparse.Namespace) -> None:
 def start(args: argparse.Namespace) -> Channel | None:
     """Join the processes (`training.distributed.start`; call before any other JAX work)
     and check that the mesh spans all their devices and that every process got the same
-    flags. Returns the `Channel` of plans, or None for one process.
+    ENGINE_FLAGS. Returns the `Channel` of plans, or None for one process.
 
     Raises:
       SystemExit: no coordinator, a --tensor-parallel other than the device count, or
@@ -126,8 +130,7 @@ def start(args: argparse.Namespace) -> Channel | None:
             raise ValueError(f"--tensor-parallel {args.tensor_parallel} must be the device "
                              f"count of the {args.num_processes} processes together, "
                              f"{jax.device_count()} ({jax.local_device_count()} here)")
-        flags = {k: v for k, v in sorted(vars(args).items()) if k != "process_id"}
-        distributed.check_same("flags", flags)
+        distributed.check_same("flags", {k: getattr(args, k, None) for k in ENGINE_FLAGS})
     except (distributed.DistributedError, ValueError) as error:
         raise SystemExit(f"gpt-jax serve: {error}") from None
     return Channel()
@@ -212,7 +215,9 @@ def _mirrored(name: str, program, channel: Channel):
         try:
             channel.send(Plan(name, int(state.recent.shape[1]),
                               jax.tree.map(np.asarray, args), static))
-            return program(params, config, state, *args, **static)
+            # waited for here (the engine reads the results next anyway), so that a failed
+            # collective is reported as such, not later by whatever reads them
+            return jax.block_until_ready(program(params, config, state, *args, **static))
         except jax.errors.JaxRuntimeError as error:  # a collective or the store
             _fail(f"the {name} step", error)
     return run
@@ -259,7 +264,7 @@ def follow(engine, channel: Channel) -> None:
         args = jax.tree.map(jnp.asarray, plan.args)
         try:
             with engine.on_mesh():
-                engine.state = PROGRAMS[plan.program](engine.params, engine.config,
-                                                      engine.state, *args, **plan.static)
+                engine.state = jax.block_until_ready(PROGRAMS[plan.program](
+                    engine.params, engine.config, engine.state, *args, **plan.static))
         except jax.errors.JaxRuntimeError as error:
             _fail(f"the {plan.program} step", error)

@@ -130,3 +130,52 @@ def test_two_processes_serve_as_one_drain_on_sigterm_and_stop_when_one_dies(pair
     assert code != 0 and took < KILL_BOUND_S, printed[-3000:]
     assert "Terminating process because the JAX distributed service detected fatal errors" \
         in printed and "stopped sending heartbeats" in printed, printed[-3000:]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--coordinator", "127.0.0.1:9"], r"--coordinator, --num-processes and --process-id go "
+                                       r"together; give all three"),
+    (["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "2"],
+     r"--process-id must be in \[0, 2\) \(0 .. --num-processes - 1\), got 2$"),
+    (["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "0",
+      "--heartbeat-timeout-s", "0"], r"--heartbeat-timeout-s must be >= 1, got 0$"),
+    (["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "1",
+      "--tensor-parallel", "3"], r"--tensor-parallel 3 must be a multiple of --num-processes "
+                                 r"2: the mesh spans every process's devices"),
+])
+def test_bad_multi_process_flags_stop_before_anything_starts(tmp_path, flags, message):
+    from inference import serve
+
+    with pytest.raises(SystemExit, match=r"^gpt-jax serve: " + message):
+        serve.main(["--hf-checkpoint", str(tmp_path), *flags])
+
+
+def test_a_run_directory_is_refused_across_processes(tmp_path):
+    from inference import serve
+
+    with pytest.raises(SystemExit, match=r"^gpt-jax serve: --coordinator serves a "
+                                         r"--hf-checkpoint directory; a --run-dir checkpoint "
+                                         r"loads in one process only"):
+        serve.main(["--run-dir", str(tmp_path), "--coordinator", "127.0.0.1:9",
+                    "--num-processes", "2", "--process-id", "0", "--tensor-parallel", "2"])
+
+
+def test_a_plan_travels_as_bytes_and_builds_nothing_else():
+    import pickle
+    import zlib
+
+    import jax
+    import numpy as np
+
+    from inference import multihost
+    from inference.batching import PrefillBatch
+
+    batch = PrefillBatch(*(np.arange(6, dtype=np.int32).reshape(2, 3) + i for i in range(11)))
+    plan = multihost.Plan("prefill", 8, (np.zeros((2, 4), bool), batch), {"pad_id": 0})
+    back = multihost.decode(multihost.encode(plan))
+    assert (back.program, back.recent_width, back.static) == ("prefill", 8, {"pad_id": 0})
+    assert isinstance(back.args[1], PrefillBatch)
+    for a, b in zip(jax.tree.leaves(plan.args), jax.tree.leaves(back.args), strict=True):
+        assert a.dtype == b.dtype and (a == b).all()
+    with pytest.raises(pickle.UnpicklingError, match=r"^a plan holds no posix.system$"):
+        multihost.decode(zlib.compress(pickle.dumps(os.system)))
