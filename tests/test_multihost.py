@@ -1,8 +1,8 @@
 """`gpt-jax serve` from two processes (`inference.multihost`) on 127.0.0.1, one CPU device
 each, `--tensor-parallel 2`: completions equal one process's `LLM.generate` (greedy, and
-seeded with n = 2), /metrics reports the two-process mesh, SIGTERM on process 0 drains a
-streaming request and both exit 0, and SIGKILL of process 1 ends process 0 within 60 s with
-an error that says why.
+seeded with n = 2), /metrics reports the two-process mesh, a speculative request is refused,
+SIGTERM on process 0 drains a streaming request and both exit 0, and SIGKILL of process 1
+ends process 0 within 60 s with an error that says why.
 
 Both pairs are started together (the second only waits to be killed); the coordinator binds
 to 127.0.0.1 (JAX_COORDINATOR_BIND_ADDRESS), the collectives are gloo on loopback.
@@ -103,6 +103,10 @@ def test_two_processes_serve_as_one_drain_on_sigterm_and_stop_when_one_dies(pair
     for line in ('gpt_jax:mesh_axis_size{axis="model"} 2.0', "gpt_jax:mesh_devices 2.0",
                  f"gpt_jax:kv_cache_bytes_per_device {floatToGoString(one // 2)}"):
         assert line in metrics, metrics
+    # speculative decoding's draft state lives on process 0 alone: refused, clearly
+    r = httpx.post(served.url("/v1/completions"), timeout=60, json={
+        "model": path.name, "prompt": TEXTS[0], "max_tokens": 4, "speculative": "ngram"})
+    assert r.status_code == 400 and "is not served across processes" in r.text, r.text
 
     # SIGTERM on process 0 in the middle of a streamed completion: it finishes, both exit 0.
     text = ""
