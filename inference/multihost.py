@@ -5,7 +5,7 @@
     gpt-jax serve --hf-checkpoint DIR --tensor-parallel 2 --coordinator 127.0.0.1:5000 \
         --num-processes 2 --process-id 1    # a follower: runs process 0's programs
 
-Every process joins `jax.distributed` (`training.distributed.start`, the training flags'
+Every process joins `jax.distributed` (`gpt_jax.distributed.join`, the training flags'
 meaning), loads the same weights and builds the same `Engine` over one mesh of every
 process's devices (JAX's multi-controller model: each process runs the same jitted program
 on its own devices, and the programs' collectives cross processes). Process 0 alone serves
@@ -45,12 +45,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt_jax import distributed
 from inference.batching import engine_decode, engine_prefill
 from inference.decode import widen_recent
 from inference.errors import RequestError
 
 PREFIX = "gpt_jax/serve"  # the key-value store's keys: PREFIX/<follower>/<message number>
 POLL_MS = 10_000  # a follower's wait for the next plan before it asks again
+INIT_TIMEOUT_S = 300  # the wait for every process to join (JAX's default)
 PROGRAMS = {"prefill": engine_prefill, "decode": engine_decode}
 # the flags that build the engine, which every process must share (the others, such as
 # --port or --api-key, only process 0 reads)
@@ -59,7 +61,7 @@ ENGINE_FLAGS = ("hf_checkpoint", "run_dir", "dtype", "quantize", "max_slots", "k
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    """The multi-process flags of `gpt-jax serve` (`training.distributed.DistributedConfig`'s)."""
+    """The multi-process flags of `gpt-jax serve` (`gpt-jax train`'s, the same meaning)."""
     p.add_argument("--coordinator", metavar="HOST:PORT", default=None,
                    help="serve from several processes (hosts): process 0's address and a free "
                         "port, the same on every process; --tensor-parallel is then the "
@@ -90,12 +92,9 @@ def check_flags(args: argparse.Namespace) -> None:
     if any(v is None for v in given):
         raise SystemExit("gpt-jax serve: --coordinator, --num-processes and --process-id go "
                          "together; give all three (or none, for one process)")
-    from training.distributed import DistributedConfig
-
     try:
-        DistributedConfig(coordinator=args.coordinator, num_processes=args.num_processes,
-                          process_id=args.process_id,
-                          heartbeat_timeout_s=args.heartbeat_timeout_s)
+        distributed.check_launch(args.coordinator, args.num_processes, args.process_id,
+                                 INIT_TIMEOUT_S, args.heartbeat_timeout_s)
     except ValueError as error:
         raise SystemExit(f"gpt-jax serve: {error}") from None
     if args.tensor_parallel % args.num_processes:
@@ -109,7 +108,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def start(args: argparse.Namespace) -> Channel | None:
-    """Join the processes (`training.distributed.start`; call before any other JAX work)
+    """Join the processes (`gpt_jax.distributed.join`; call before any other JAX work)
     and check that the mesh spans all their devices and that every process got the same
     ENGINE_FLAGS. Returns the `Channel` of plans, or None for one process.
 
@@ -119,13 +118,9 @@ def start(args: argparse.Namespace) -> Channel | None:
     """
     if not args.coordinator:
         return None
-    from training import distributed
-
-    dist = distributed.DistributedConfig(
-        coordinator=args.coordinator, num_processes=args.num_processes,
-        process_id=args.process_id, heartbeat_timeout_s=args.heartbeat_timeout_s)
     try:
-        distributed.start(dist)
+        distributed.join(args.coordinator, args.num_processes, args.process_id,
+                         INIT_TIMEOUT_S, args.heartbeat_timeout_s)
         if jax.device_count() != args.tensor_parallel:
             raise ValueError(f"--tensor-parallel {args.tensor_parallel} must be the device "
                              f"count of the {args.num_processes} processes together, "
@@ -202,9 +197,7 @@ class Channel:
 
 
 def _fail(what: str, error: BaseException) -> None:
-    from training.distributed import exit_now
-
-    exit_now(f"gpt-jax serve: process {jax.process_index()} of {jax.process_count()}: {what} "
+    distributed.exit_now(f"gpt-jax serve: process {jax.process_index()} of {jax.process_count()}: {what} "
              f"failed, another process has probably stopped; stopping: "
              f"{str(error).splitlines()[0] if str(error) else type(error).__name__}")
 
