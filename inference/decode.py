@@ -101,6 +101,17 @@ def init_state(model, seen_BV, stops, window_BW, *, n_steps, n_top, pad_id=0) ->
     )
 
 
+def widen_recent(state: DecodeState, width: int) -> DecodeState:
+    """`state` with each row's window of recent tokens (`recent`, `[B, width]`) at least
+    `width` wide, the new places before the old as `stopping.BEFORE_START` (longer stop
+    sequences arrived)."""
+    grow = width - state.recent.shape[1]
+    if grow <= 0:
+        return state
+    return state.replace(recent=jnp.pad(state.recent, ((0, 0), (grow, 0)),
+                                        constant_values=stopping.BEFORE_START))
+
+
 def _token_logprobs(logits_BV, token_B, wanted_B, n_top: int):
     """The sampled tokens' log-probs `[B]` and the `n_top` most likely `([B, n_top],
     [B, n_top])`, computed only when some row asked (`wanted_B`): the [B, V] log-softmax and

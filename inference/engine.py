@@ -28,7 +28,7 @@ from gpt_jax.params import inference_params
 from inference import stopping
 from inference.batching import (PrefillBatch, decode_rows, engine_decode, engine_prefill,
                                 prefill_batch, row_arrays)
-from inference.decode import CHUNK, init_state
+from inference.decode import CHUNK, init_state, widen_recent
 from inference.detokenize import RequestOutput, request_output, sequence_text
 from inference.errors import RequestError
 from inference.generation import generate_program
@@ -212,10 +212,7 @@ class Engine:
         self.finished_ids.pop(request_id, None)
         self.widths = tuple(np.maximum(self.widths, stopping.needed_widths(
             [sampling.stop_token_ids], [sampling.stop_sequences])))
-        if self.state.recent.shape[1] < self.widths[2]:  # longer stop sequences: wider window
-            grow = self.widths[2] - self.state.recent.shape[1]
-            self.state = self.state.replace(recent=jnp.pad(
-                self.state.recent, ((0, 0), (grow, 0)), constant_values=stopping.BEFORE_START))
+        self.state = widen_recent(self.state, self.widths[2])  # longer stop sequences
         for seq in seqs:
             self.scheduler.add(seq)
         self.finished_at_once += [q for q in seqs if q.status == Status.FINISHED]

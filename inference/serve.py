@@ -23,7 +23,7 @@ import uvicorn
 
 from gpt_jax import tensor_parallel
 from gpt_jax.cache import cache_bytes
-from inference import compile_cache, exported
+from inference import compile_cache, exported, multihost
 from inference.chat import ChatTemplate
 from inference.engine import Engine
 from inference.load import add_model_args, load_config, load_model
@@ -101,6 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="split the model over N devices (tensor parallelism: heads and MLP "
                         "width per device, KV pages by kv head; on CPU the host is split into "
                         "N devices)")
+    multihost.add_flags(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="compile each program on first use instead of before serving")
     compile_cache.add_flag(p)
@@ -129,6 +130,7 @@ def main(argv=None) -> None:
     if not source.is_dir():
         raise SystemExit(f"gpt-jax serve: {source} is not a directory")
     check_kv_cache_bytes(args)
+    multihost.check_flags(args)
     try:
         origins = parse_origins(args.allowed_origins)
     except ValueError as error:
@@ -151,11 +153,19 @@ def _serve(args: argparse.Namespace, cfg: ServerConfig, source: Path,
            loaded: threading.Event) -> None:
     """Take the port, load the model, serve until SIGTERM or Ctrl-C; `loaded` is set once
     the loading thread is done (the programs compiled, or failed)."""
-    sock = listen(args.host, args.port)  # before the model loads: a port in use stops here
+    leader = not args.process_id  # process 0 (or the only one) serves HTTP
+    # before the model loads: a port in use stops here
+    sock = listen(args.host, args.port) if leader else None
     if args.tensor_parallel > 1:  # a CPU host as N devices (before JAX starts; only CPU's)
-        jax.config.update("jax_num_cpu_devices", args.tensor_parallel)
+        jax.config.update("jax_num_cpu_devices",
+                          args.tensor_parallel // multihost.processes(args))
+    channel = multihost.start(args)  # several processes: jax.distributed joined
     cache = None if args.no_compile_cache else compile_cache.enable()
     engine, cfg.eos_token_ids = _engine(args, source)
+    if not leader:
+        return multihost.follow(engine, channel)
+    if channel is not None:
+        multihost.lead(engine, channel)
     store = (None if cache is None or args.tensor_parallel > 1  # artifacts: one-device programs
              else exported.attach(engine, cache / "exported"))
 
@@ -187,7 +197,11 @@ def _serve(args: argparse.Namespace, cfg: ServerConfig, source: Path,
     config = uvicorn.Config(create_app(load, cfg, on_ready=ready), host=args.host,
                             port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    _Uvicorn(config, on_listening=listening.set).run(sockets=[sock])
+    try:
+        _Uvicorn(config, on_listening=listening.set).run(sockets=[sock])
+    finally:
+        if channel is not None:  # drained (or failed): the followers exit too
+            channel.send(multihost.STOP)
 
 
 def _stop_handler(loaded: threading.Event) -> Callable[[int, object], None]:

@@ -54,16 +54,17 @@ def free_port() -> int:
         return port
 
 
-def start_serve(args: list[str], port: int):
-    """`gpt-jax serve ARGS --port PORT` as a subprocess on the CPU, returned once it prints that
-    it is ready (asserted, with what it printed). The caller ends it (`proc.kill()`)."""
+def start_serve(args: list[str], port: int, env: dict | None = None):
+    """`gpt-jax serve ARGS --port PORT` as a subprocess on the CPU (with `env` added to the
+    environment), returned once it prints that it is ready (asserted, with what it
+    printed). The caller ends it (`proc.kill()`)."""
     import subprocess
     import sys
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpt_jax.cli", "serve", *args, "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
     printed = ""
     for line in proc.stdout:  # until it listens with the model loaded
         printed += line

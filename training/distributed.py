@@ -15,6 +15,9 @@ the part JAX leaves to the program:
   different flags or corpora, a process lost in the middle of a run;
 - process-local copies of arrays that span processes (checkpoint digests, samples).
 
+The launch checks, the bounded start, `check_same` and `exit_now` are shared with
+multi-host serving and live in `gpt_jax.distributed`; their names are imported here.
+
 Usage (two processes on this machine; on a cluster, process 0's host and a free port):
   python -m training.train --preset tiny --coordinator 127.0.0.1:5000 --num-processes 2 --process-id 0 &
   python -m training.train --preset tiny --coordinator 127.0.0.1:5000 --num-processes 2 --process-id 1
@@ -23,13 +26,7 @@ Usage (two processes on this machine; on a cluster, process 0's host and a free 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import hashlib
-import json
 import os
-import socket
-import sys
-import time
 import typing
 from typing import Annotated, Literal
 
@@ -37,12 +34,12 @@ import jax
 import numpy as np
 import tyro
 
+# DistributedError, check_same and exit_now: training's names too
+from gpt_jax.distributed import (DistributedError, check_launch, check_same,  # noqa: F401
+                                 exit_now, join)
+
 Mode = Literal["auto", "on", "off"]
 MODES = typing.get_args(Mode)
-
-
-class DistributedError(RuntimeError):
-    """The processes could not form a run: no coordinator, or the port is taken."""
 
 
 class RunAborted(RuntimeError):
@@ -78,21 +75,8 @@ class DistributedConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"--distributed must be one of {MODES}, got {self.mode!r}")
-        if self.num_processes is not None and self.num_processes < 1:
-            raise ValueError(f"--num-processes must be >= 1, got {self.num_processes}")
-        if self.process_id is not None and not (
-                0 <= self.process_id < (self.num_processes or sys.maxsize)):
-            raise ValueError(f"--process-id must be in [0, {self.num_processes}) "
-                             f"(0 .. --num-processes - 1), got {self.process_id}")
-        if self.coordinator is not None:
-            host, _, port = self.coordinator.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--coordinator must be HOST:PORT with a port in [1, 65535], "
-                                 f"got {self.coordinator!r}")
-        for name in ("init_timeout_s", "heartbeat_timeout_s"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
-                                 f"got {getattr(self, name)}")
+        check_launch(self.coordinator, self.num_processes, self.process_id,
+                     self.init_timeout_s, self.heartbeat_timeout_s)
         if self.mode == "off" and self.flags_given:
             raise ValueError("--distributed off contradicts --coordinator/--num-processes/"
                              "--process-id")
@@ -129,131 +113,22 @@ def expected_processes(dist: DistributedConfig) -> int:
     return dist.num_processes or launcher_processes() or 1
 
 
-def wait_for_coordinator(address: str, timeout_s: float) -> None:
-    """Block until something accepts TCP connections at `address`, at most `timeout_s`.
-
-    A process other than 0 calls this before `jax.distributed.initialize`, whose own wait
-    ends the process (a C++ abort, no Python exception) when the coordinator never answers.
-
-    Raises:
-      DistributedError: nothing answered in time (naming the address and the wait).
-    """
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")  # an IPv6 literal
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, int(port)), timeout=1.0):
-                return
-        except OSError as error:
-            if time.monotonic() >= deadline:
-                raise DistributedError(
-                    f"no coordinator answered at {address} within {timeout_s:.0f} s "
-                    f"({error.strerror or error}): start process 0 with the same "
-                    "--coordinator, check that this host can reach it, or raise "
-                    "--init-timeout-s") from None
-            time.sleep(0.2)
-
-
-def check_port_free(address: str) -> None:
-    """Process 0: can the coordinator listen where JAX will bind it
-    (JAX_COORDINATOR_BIND_ADDRESS, else every interface on the --coordinator port)? JAX
-    0.10 sometimes segfaults on a port in use instead of raising.
-
-    Raises:
-      DistributedError: the port is taken (naming it).
-    """
-    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "[::]:" + address.rpartition(":")[2])
-    host, _, port = bind.rpartition(":")
-    host = host.strip("[]")
-    if host in ("", "::"):  # every interface: IPv6's wildcard, or IPv4's on a host without
-        candidates = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
-    else:
-        candidates = [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)]
-    for family, name in candidates:
-        try:
-            with socket.socket(family) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
-                s.bind((name, int(port)))
-            return
-        except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                raise DistributedError(f"the coordinator cannot listen on {bind}: the port "
-                                       "is in use on this host; pick a free port for "
-                                       "--coordinator on every process") from None
-    # Could not try (no such address family, say): JAX reports what it finds.
-
-
 def start(dist: DistributedConfig) -> None:
-    """`jax.distributed.initialize` when `dist` says so; call it before any other JAX work.
+    """`jax.distributed.initialize` when `dist` says so (`gpt_jax.distributed.join`); call
+    it before any other JAX work.
 
     Raises:
       DistributedError: the coordinator never answered (processes other than 0), or its
         port could not be opened (process 0).
     """
-    if not should_start(dist):
-        return
-    tick = time.monotonic()
-    if dist.coordinator and dist.process_id:  # not process 0: is anyone listening?
-        wait_for_coordinator(dist.coordinator, dist.init_timeout_s)
-    elif dist.process_id == 0:
-        if dist.coordinator:
-            check_port_free(dist.coordinator)
-        print(f"process 0 of {dist.num_processes}: coordinator on {dist.coordinator}, "
-              f"waiting up to {dist.init_timeout_s} s for the others", file=sys.stderr,
-              flush=True)
-    remaining = max(1, round(dist.init_timeout_s - (time.monotonic() - tick)))
-    try:
-        jax.distributed.initialize(
-            dist.coordinator, dist.num_processes, dist.process_id,
-            initialization_timeout=remaining,
-            heartbeat_timeout_seconds=dist.heartbeat_timeout_s,
-            # A clean exit waits here for every process; a lost one would hold it 300 s.
-            shutdown_timeout_seconds=dist.heartbeat_timeout_s)
-    except jax.errors.JaxRuntimeError as error:  # e.g. "Failed to start RPC server"
-        raise DistributedError(f"jax.distributed could not start on {dist.coordinator}: "
-                               f"{str(error).splitlines()[0]} (is the port already in "
-                               "use?)") from None
+    if should_start(dist):
+        join(dist.coordinator, dist.num_processes, dist.process_id, dist.init_timeout_s,
+             dist.heartbeat_timeout_s)
 
 
 def is_primary() -> bool:
     """Process 0: the one that prints, logs metrics and plots."""
     return jax.process_index() == 0
-
-
-def check_same(what: str, fields: dict) -> None:
-    """Check every process holds the same `fields` (JSON-able). A collective: every process
-    calls it at the same point; free in a one-process run.
-
-    Raises:
-      ValueError: some process differs from process 0 (naming the process, the fields and
-        both values); raised on every process alike, so they all stop.
-    """
-    if jax.process_count() == 1:
-        return
-    from jax.experimental import multihost_utils
-
-    text = json.dumps(fields, sort_keys=True)
-    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
-    digests = np.asarray(multihost_utils.process_allgather(digest))  # [processes, 32]
-    if (digests == digests[0]).all():
-        return
-    # Someone differs: every process sees that, so all gather the texts to name the fields.
-    raw = np.frombuffer(text.encode(), np.uint8)
-    lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(raw))))
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[:len(raw)] = raw
-    texts = np.asarray(multihost_utils.process_allgather(padded))
-    views = [json.loads(t[:n].tobytes()) for t, n in zip(texts, lengths)]
-    lines = []
-    for pid, view in enumerate(views[1:], start=1):
-        diff = [f"{k}={view.get(k)!r} (process 0: {views[0].get(k)!r})"
-                for k in sorted(set(view) | set(views[0])) if view.get(k) != views[0].get(k)]
-        if diff:
-            lines.append(f"process {pid} has " + ", ".join(diff))
-    raise ValueError(f"the {len(views)} processes disagree on the {what}: "
-                     + "; ".join(lines) + ". Start every process with the same flags and "
-                     "files; only --process-id differs")
 
 
 def on_process_0(make):
@@ -284,9 +159,3 @@ def local_copy(tree):
     return jax.tree.map(one, tree)
 
 
-def exit_now(message: str, code: int = 1) -> None:
-    """Print and leave at once. After a failed collective the others may be gone, and JAX's
-    clean exit would wait for them (up to the heartbeat timeout, then abort)."""
-    print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
