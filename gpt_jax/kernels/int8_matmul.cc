@@ -29,7 +29,6 @@
 // Built by gpt_jax/kernels/builder.py on first use (gpt_jax/kernels/int8_matmul.py binds it).
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -224,165 +223,6 @@ void panels(const float* x, const int8_t* w, const float* scale, int64_t M, int6
   }
 }
 
-// ---------------------------------------------------------------------------------------
-// The integer path (AVX-512 VNNI and VBMI): x rounded to 24-bit fixed point per row, its
-// digits times the int8 weights by vpdpbusd (64 multiply-adds per instruction, exact in
-// int32), scaled once per output.
-//
-// Widening int8 to float costs two instructions per 16 weights besides the multiply-add, so
-// the float path above is bound by issue slots, not memory, at few rows (one decode row: 4
-// instructions per 16 weight bytes). Here each row of x becomes q = round(x / s) with
-// s = max|x| / kFixedMax, |q| <= kFixedMax < 2^23, written as three signed base-256 digits,
-// q = 65536 hi + 256 mid + lo (each in [-127, 127], [-128, 127], [-128, 127]). For four
-// inputs and sixteen channels (64 weight bytes, one instruction each), vpdpbusd adds
-// sum_k u[4j + k] * d[k] into channel j's int32 sum, with u the weight bytes as unsigned
-// (w + 128: one xor; vpdpbusd multiplies unsigned by signed bytes) rearranged channel-major
-// (one vpermb) and d one digit of the four inputs, broadcast. Then per digit
-// sum_i d_i w_i = sum_i d_i u_i - 128 sum_i d_i, and y = scale[o] * s * (65536 D_hi + 256 D_mid
-// + D_lo). Each input is off by at most s / 2 = max|x| / 2^24.0: the size of float32's own
-// rounding of the row's largest input, so outputs agree with the float path to float
-// rounding (tests/test_quantize.py holds both to one bound). Every product and sum is an
-// exact integer below 2^31 for I <= kVnniMaxInputs. Per 64 weight bytes and row: three
-// instructions where the float path takes four multiply-adds and, at one row, eight
-// widening instructions. A row with a non-finite input takes the float path (NaN and inf
-// propagate as in float).
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-#define GPT_JAX_INT8_VNNI 1
-
-constexpr int kDigits = 3;
-constexpr int32_t kFixedMax = 127 * 65536 + 127 * 256 + 127;  // the digits' largest q
-constexpr int64_t kVnniMaxInputs = 65536;  // |sum of u * d| <= 255 * 128 * I < 2^31
-constexpr int kVnniRows = 8;  // rows per tile: 24 accumulators and one weight register
-
-// x as digits: row r's inputs [0, I4) (I4 = I rounded up to 4; the padding is zero) in
-// groups of four, each group the four inputs' digit hi, then mid, then lo (one dword per
-// digit: d[r * kDigits * I4 + (i / 4) * 4 * kDigits + 4 k + i % 4]); the row's step s and
-// each digit's sum over the row.
-struct Digits {
-  int64_t I4 = 0;
-  std::vector<int8_t> d;
-  std::vector<float> step;
-  std::vector<int32_t> sums;  // [M, kDigits]
-};
-
-// Whether every input is finite (else the float path runs, as NaN and inf need).
-bool all_finite(const float* x, int64_t n) {
-  bool finite = true;
-  for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(x[i]);
-  return finite;
-}
-
-// Row r of x [M, I] into `digits` (sized by the caller).
-void to_digits(const float* x, int64_t I, int64_t r, Digits& digits) {
-  const float* row = x + r * I;
-  float largest = 0.0f;
-  for (int64_t i = 0; i < I; ++i) largest = std::max(largest, std::fabs(row[i]));
-  const double step = largest / double(kFixedMax), inverse = largest > 0 ? 1.0 / step : 0.0;
-  int8_t* d = digits.d.data() + r * kDigits * digits.I4;
-  int32_t sums[kDigits] = {0, 0, 0};
-  for (int64_t i = 0; i < I; ++i) {
-    const int32_t q = std::clamp<int32_t>(int32_t(std::nearbyint(row[i] * inverse)),
-                                          -kFixedMax, kFixedMax);
-    const int32_t lo = ((q + 128) & 255) - 128, q1 = (q - lo) / 256;
-    const int32_t mid = ((q1 + 128) & 255) - 128, hi = (q1 - mid) / 256;
-    int8_t* group = d + (i / 4) * 4 * kDigits + i % 4;
-    group[0] = int8_t(hi), group[4] = int8_t(mid), group[8] = int8_t(lo);
-    sums[0] += hi, sums[1] += mid, sums[2] += lo;
-  }
-  digits.step[r] = float(step);
-  for (int k = 0; k < kDigits; ++k) digits.sums[r * kDigits + k] = sums[k];
-}
-
-// acc + the sums of four products u8(u) * s8(d) per dword (vpdpbusd), in place: the
-// intrinsic made GCC copy every accumulator per instruction, and spill them for 8 rows.
-inline __m512i dpbusd(__m512i acc, __m512i u, __m512i d) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(d));
-  return acc;
-}
-
-// The vpermb order taking 64 weight bytes [4 inputs, 16 channels] to channel-major
-// [16 channels, 4 inputs], the order in which vpdpbusd sums.
-inline __m512i channel_major_order() {
-  alignas(64) int8_t idx[64];
-  for (int c = 0; c < 16; ++c)
-    for (int k = 0; k < 4; ++k) idx[c * 4 + k] = int8_t(k * 16 + c);
-  return _mm512_load_si512(idx);
-}
-
-// Adds one group of four inputs to the R rows' accumulators: `w` the group's 64 weight
-// bytes, loaded, made unsigned (w + 128) and channel-major; d[r] row r's digits of the
-// group (kDigits dwords).
-template <int R>
-inline void vnni_group(__m512i w, __m512i order, const int32_t* const (&d)[R],
-                       __m512i (&acc)[R][kDigits]) {
-  const __m512i u = _mm512_permutexvar_epi8(order, _mm512_xor_si512(w, _mm512_set1_epi8(-128)));
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < kDigits; ++k)
-      acc[r][k] = dpbusd(acc[r][k], u, _mm512_set1_epi32(d[r][k]));
-}
-
-// Rows [r0, r0 + R) times panel p: y[r, 16p + j] for the panel's channels below O.
-template <int R>
-void vnni_tile(const Digits& x, const int8_t* w, const float* scale, int64_t I, int64_t O,
-               int64_t r0, int64_t p, float* y) {
-  __m512i acc[R][kDigits];
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < kDigits; ++k) acc[r][k] = _mm512_setzero_si512();
-  const __m512i order = channel_major_order();
-  const int8_t* panel = w + p * I * kPanel;
-  const int32_t* d[R];
-  for (int r = 0; r < R; ++r)
-    d[r] = reinterpret_cast<const int32_t*>(x.d.data() + (r0 + r) * kDigits * x.I4);
-  const int64_t whole = I / 4;
-  for (int64_t g = 0; g < whole; ++g) {
-    __builtin_prefetch(panel + g * 64 + kPrefetchBytes);
-    vnni_group<R>(_mm512_loadu_si512(panel + g * 64), order, d, acc);
-    for (int r = 0; r < R; ++r) d[r] += kDigits;
-  }
-  if (whole * 4 < I) {  // the last 1-3 inputs: their bytes only (the rest 128 * zero digits)
-    const __mmask64 mask = (__mmask64(1) << ((I - 4 * whole) * kPanel)) - 1;
-    vnni_group<R>(_mm512_maskz_loadu_epi8(mask, panel + whole * 64), order, d, acc);
-  }
-  const int64_t c0 = p * kPanel, n = std::min(kPanel, O - c0);
-  for (int r = 0; r < R; ++r) {
-    alignas(64) int32_t sums[kDigits][kPanel];
-    for (int k = 0; k < kDigits; ++k) _mm512_store_si512(sums[k], acc[r][k]);
-    const int32_t* row_sums = x.sums.data() + (r0 + r) * kDigits;
-    const double step = x.step[r0 + r];
-    for (int64_t j = 0; j < n; ++j) {
-      double q = 0.0;
-      for (int k = 0; k < kDigits; ++k) q = 256.0 * q + double(sums[k][j] - 128 * row_sums[k]);
-      y[(r0 + r) * O + c0 + j] = float(q * step * scale[c0 + j]);
-    }
-  }
-}
-
-template <int R = 1>
-void vnni_rows_left(const Digits& x, const int8_t* w, const float* scale, int64_t I,
-                    int64_t O, int64_t r, int64_t r1, int64_t p, float* y) {
-  if constexpr (R < kVnniRows) {
-    if (r1 - r == R) return vnni_tile<R>(x, w, scale, I, O, r, p, y);
-    vnni_rows_left<R + 1>(x, w, scale, I, O, r, r1, p, y);
-  }
-}
-
-// Panels [p0, p1) for every row, rows in blocks whose digits stay in L2 while the panels
-// stream by, each block in tiles of kVnniRows rows and one of the rows left over.
-void vnni_panels(const Digits& x, const int8_t* w, const float* scale, int64_t M, int64_t I,
-                 int64_t O, int64_t p0, int64_t p1, float* y) {
-  const int64_t block = std::max<int64_t>(
-      2 * kVnniRows, 65536 / std::max<int64_t>(kDigits * x.I4 / 4, 1) / kVnniRows * kVnniRows);
-  for (int64_t b0 = 0; b0 < M; b0 += block) {
-    const int64_t b1 = std::min(M, b0 + block);
-    for (int64_t p = p0; p < p1; ++p) {
-      int64_t r = b0;
-      for (; r + kVnniRows <= b1; r += kVnniRows) vnni_tile<kVnniRows>(x, w, scale, I, O, r, p, y);
-      vnni_rows_left(x, w, scale, I, O, r, b1, p, y);
-    }
-  }
-}
-#endif
-
 // One weight of a call: its panels, scales, output, and sizes.
 struct Matrix {
   const int8_t* w;
@@ -435,30 +275,6 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   for (size_t k = 0; k < matrices.size(); ++k)
     for (int64_t p = 0; p < matrices[k].n_panels; p += per_task) tasks.emplace_back(k, p);
   const float* xs = x.typed_data();
-#if GPT_JAX_INT8_VNNI
-  if (I <= kVnniMaxInputs && all_finite(xs, M * I)) {
-    Digits digits;
-    digits.I4 = (I + 3) / 4 * 4;
-    digits.d.assign(M * kDigits * digits.I4, 0);
-    digits.step.resize(M);
-    digits.sums.resize(M * kDigits);
-    constexpr int64_t kRowsPerTask = 16;  // many rows (a prefill): their digits in parallel
-    if (M <= kRowsPerTask) {
-      for (int64_t r = 0; r < M; ++r) to_digits(xs, I, r, digits);
-    } else {
-      parallel_for(pool, (M + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t task) {
-        for (int64_t r = task * kRowsPerTask; r < std::min(M, (task + 1) * kRowsPerTask); ++r)
-          to_digits(xs, I, r, digits);
-      });
-    }
-    parallel_for(pool, tasks.size(), [&](int64_t task) {
-      const auto [k, p0] = tasks[task];
-      const Matrix& m = matrices[k];
-      vnni_panels(digits, m.w, m.scale, M, I, m.O, p0, std::min(m.n_panels, p0 + per_task), m.y);
-    });
-    return ffi::Error::Success();
-  }
-#endif
   parallel_for(pool, tasks.size(), [&](int64_t task) {
     const auto [k, p0] = tasks[task];
     const Matrix& m = matrices[k];
