@@ -146,12 +146,11 @@ class _Vocab:
     content (the compile cache's key), with the model's vocab size."""
 
     def __init__(self, pieces: list[bytes | None], vocab_size: int):
-        by_text = collections.defaultdict(list)
-        for token, piece in enumerate(pieces[:vocab_size]):
-            if piece:  # special tokens and empty pieces are never live
-                by_text[piece].append(token)
-        self.by_text, self.vocab_size = dict(by_text), vocab_size
-        digest = hashlib.sha256(repr((sorted(by_text.items()), vocab_size)).encode())
+        self.pieces, self.vocab_size = pieces[:vocab_size], vocab_size
+        digest = hashlib.sha256(str(vocab_size).encode())
+        for piece in self.pieces:  # tagged and length-prefixed: no two lists hash alike
+            digest.update(b"\0" if piece is None else
+                          b"\1" + len(piece).to_bytes(4, "little") + piece)
         self.key = digest.hexdigest()
 
     @functools.cached_property
@@ -160,8 +159,12 @@ class _Vocab:
         constraints all come from the disk cache never needs it)."""
         from outlines_core import Vocabulary
 
+        by_text = collections.defaultdict(list)
+        for token, piece in enumerate(self.pieces):
+            if piece:  # special tokens and empty pieces are never live
+                by_text[piece].append(token)
         # outlines-core wants an EOS id outside the map; EOS is ours to handle (vocab_size)
-        return Vocabulary(self.vocab_size, self.by_text)
+        return Vocabulary(self.vocab_size, dict(by_text))
 
     def __hash__(self):
         return hash(self.key)
@@ -190,14 +193,13 @@ def token_bytes(tokenizer) -> list[bytes | None]:
     tok = tokenizer.tokenizer
     special = {a.content for a in tok.get_added_tokens_decoder().values()}
     byte_level = type(tok.decoder).__name__ == "ByteLevel"
-    to_byte = {c: b for b, c in _gpt2_byte_alphabet().items()}
+    to_latin1 = {ord(c): b for b, c in _gpt2_byte_alphabet().items()}  # str.translate's map
     out = []
-    for token in range(tok.get_vocab_size()):
-        piece = tok.id_to_token(token)
+    for piece in map(tok.id_to_token, range(tok.get_vocab_size())):
         if piece is None or piece in special:
             out.append(None)
-        elif byte_level:
-            out.append(bytes(to_byte[c] for c in piece))
+        elif byte_level:  # each character stands for one byte
+            out.append(piece.translate(to_latin1).encode("latin-1"))
         elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             out.append(bytes([int(piece[3:5], 16)]))
         else:

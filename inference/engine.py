@@ -285,10 +285,14 @@ class Engine:
         compiled with the engine's tokenizer), also each program's constrained variant for
         the smallest table size and for theirs (`constraint_mask.warmup_arrays`). Returns
         how many programs it compiled. Raises RuntimeError when the engine holds requests,
-        RequestError for a constraint that cannot be compiled."""
+        ValueError for SamplingParams without a constraint, RequestError for a constraint
+        that cannot be compiled."""
         if self.scheduler.requests:
             raise RuntimeError("warm the Engine up before adding requests")
         tables = [automaton(sp, self.tokenizer, self.config.vocab_size) for sp in constraints]
+        if None in tables:
+            raise ValueError(f"Engine.warmup constraints are requests' SamplingParams with a "
+                             f"constraint, got {constraints[tables.index(None)]!r}")
         with self.on_mesh():
             rows, stops = self._row_arrays()
             banks = warmup_arrays(tables, self.max_slots, self.config.vocab_size) \

@@ -48,3 +48,5 @@ def test_warmup_compiles_the_constrained_programs(config, params):
     assert set(json.loads(outs[1].text)) == {"n", "s"}
     with pytest.raises(ValueError, match="json_schema cannot be compiled: .type. must be"):
         engine(config, params).warmup(constraints=[SamplingParams(json_schema={"type": 7})])
+    with pytest.raises(ValueError, match="SamplingParams with a constraint, got"):
+        engine(config, params).warmup(constraints=[SamplingParams(seed=1)])
