@@ -71,6 +71,17 @@ def constraint_arrays(automata: tuple[Automaton | None, ...],
     return ConstraintArrays(*map(jnp.asarray, (token_class, next_state, accepting, ends)))
 
 
+def warmup_arrays(automata, max_slots: int, vocab_size: int) -> list[ConstraintArrays]:
+    """One `[max_slots]` bank per table size a program is compiled for: the smallest (a
+    choice, a flat schema) and each of `automata`'s (`Engine.warmup` runs each through
+    prefill and decode, so the first constrained request compiles nothing)."""
+    banks = {}
+    for table in (_FREE, *automata):
+        bank = constraint_arrays((table,) * max_slots, vocab_size)
+        banks.setdefault(bank.next_state.shape, bank)
+    return list(banks.values())
+
+
 def device_bytes(arrays: ConstraintArrays) -> int:
     """Bytes per row of the tables on the device."""
     return sum(x.nbytes for x in jax.tree.leaves(arrays)) // arrays.token_class.shape[0]

@@ -21,7 +21,8 @@ schema over GPT-2's 50,257 tokens has a few hundred states and about a hundred c
 (benchmarks/README.md, "Structured output").
 
 Compiled automata are cached by (regex, tokenizer) in a bounded LRU (`CACHE_SIZE`), so a
-server compiles each schema once. EOS ids are not part of the automaton: the decode loop
+server compiles each schema once, and on disk (`inference.constraint_cache`), so the next
+process loads it. EOS ids are not part of the automaton: the decode loop
 allows a row's EOS ids exactly in accepting states.
 """
 
@@ -38,6 +39,7 @@ import weakref
 
 import numpy as np
 
+from inference import constraint_cache
 from inference.errors import RequestError
 
 CACHE_SIZE = 64  # compiled automata kept (each a few hundred KB over a 50k vocabulary)
@@ -144,17 +146,25 @@ class _Vocab:
     content (the compile cache's key), with the model's vocab size."""
 
     def __init__(self, pieces: list[bytes | None], vocab_size: int):
+        self.pieces, self.vocab_size = pieces[:vocab_size], vocab_size
+        digest = hashlib.sha256(str(vocab_size).encode())
+        for piece in self.pieces:  # tagged and length-prefixed: no two lists hash alike
+            digest.update(b"\0" if piece is None else
+                          b"\1" + len(piece).to_bytes(4, "little") + piece)
+        self.key = digest.hexdigest()
+
+    @functools.cached_property
+    def vocabulary(self):
+        """The outlines-core `Vocabulary`, built on the first compile (a process whose
+        constraints all come from the disk cache never needs it)."""
         from outlines_core import Vocabulary
 
         by_text = collections.defaultdict(list)
-        for token, piece in enumerate(pieces[:vocab_size]):
+        for token, piece in enumerate(self.pieces):
             if piece:  # special tokens and empty pieces are never live
                 by_text[piece].append(token)
         # outlines-core wants an EOS id outside the map; EOS is ours to handle (vocab_size)
-        self.vocabulary = Vocabulary(vocab_size, dict(by_text))
-        self.vocab_size = vocab_size
-        digest = hashlib.sha256(repr((sorted(by_text.items()), vocab_size)).encode())
-        self.key = digest.hexdigest()
+        return Vocabulary(self.vocab_size, dict(by_text))
 
     def __hash__(self):
         return hash(self.key)
@@ -183,14 +193,13 @@ def token_bytes(tokenizer) -> list[bytes | None]:
     tok = tokenizer.tokenizer
     special = {a.content for a in tok.get_added_tokens_decoder().values()}
     byte_level = type(tok.decoder).__name__ == "ByteLevel"
-    to_byte = {c: b for b, c in _gpt2_byte_alphabet().items()}
+    to_latin1 = {ord(c): b for b, c in _gpt2_byte_alphabet().items()}  # str.translate's map
     out = []
-    for token in range(tok.get_vocab_size()):
-        piece = tok.id_to_token(token)
+    for piece in map(tok.id_to_token, range(tok.get_vocab_size())):
         if piece is None or piece in special:
             out.append(None)
-        elif byte_level:
-            out.append(bytes(to_byte[c] for c in piece))
+        elif byte_level:  # each character stands for one byte
+            out.append(piece.translate(to_latin1).encode("latin-1"))
         elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             out.append(bytes([int(piece[3:5], 16)]))
         else:
@@ -224,12 +233,16 @@ def automaton(sampling, tokenizer, vocab_size: int, request=None) -> Automaton |
             _CACHE.move_to_end((key, vocab))
             return _CACHE[key, vocab]
     field, regex = constraint_regex(sampling, request)
-    try:
-        table = _compile(regex, vocab)
-    except ValueError as e:
-        raise _error(field, _value(sampling, field), "a pattern that some text of the "
-                     "tokenizer's tokens matches", "{field}={value!r} cannot be compiled: "
-                     + _braces(e) + _where(regex), request) from None
+    disk_key = constraint_cache.entry_key(regex, vocab.key)
+    table = constraint_cache.load(disk_key, vocab_size)
+    if table is None:
+        try:
+            table = _compile(regex, vocab)
+        except ValueError as e:
+            raise _error(field, _value(sampling, field), "a pattern that some text of the "
+                         "tokenizer's tokens matches", "{field}={value!r} cannot be compiled: "
+                         + _braces(e) + _where(regex), request) from None
+        constraint_cache.store(disk_key, table)
     with _LOCK:
         _CACHE[key, vocab] = table
         if len(_CACHE) > CACHE_SIZE:

@@ -28,6 +28,8 @@ from gpt_jax.params import inference_params
 from inference import stopping
 from inference.batching import (PrefillBatch, decode_rows, engine_decode, engine_prefill,
                                 prefill_batch, row_arrays)
+from inference.constraint_mask import warmup_arrays
+from inference.constraints import automaton
 from inference.decode import CHUNK, init_state, widen_recent
 from inference.detokenize import RequestOutput, request_output, sequence_text
 from inference.errors import RequestError
@@ -271,21 +273,32 @@ class Engine:
                 self.finished_at_once.remove(seq)
         self._remember_finished(request_id)
 
-    def warmup(self, crop: bool = False) -> int:
+    def warmup(self, crop: bool = False, constraints: collections.abc.Sequence[SamplingParams] = ()) -> int:
         """Compile every program `step()` can run (each prefill shape the scheduler can form
         and each decode batch size; with `crop`, also each count of rows that outgrow the
         context, for "crop" requests) with nothing in the engine, so none compiles while
-        requests wait. Returns how many programs it compiled. Raises RuntimeError when the
-        engine holds requests."""
+        requests wait. With `constraints` (structured-output requests' SamplingParams,
+        compiled with the engine's tokenizer), also each program's constrained variant for
+        the smallest table size and for theirs (`constraint_mask.warmup_arrays`). Returns
+        how many programs it compiled. Raises RuntimeError when the engine holds requests,
+        ValueError for SamplingParams without a constraint, RequestError for a constraint
+        that cannot be compiled."""
         if self.scheduler.requests:
             raise RuntimeError("warm the Engine up before adding requests")
+        tables = [automaton(sp, self.tokenizer, self.config.vocab_size) for sp in constraints]
+        if None in tables:
+            raise ValueError(f"Engine.warmup constraints are requests' SamplingParams with a "
+                             f"constraint, got {constraints[tables.index(None)]!r}")
         with self.on_mesh():
-            return self._warmup(crop)
+            rows, stops = self._row_arrays()
+            banks = warmup_arrays(tables, self.max_slots, self.config.vocab_size) \
+                if constraints else []
+            return sum(self._warmup(crop, variant, stops)
+                       for variant in [rows] + [rows.replace(constraint=b) for b in banks])
 
-    def _warmup(self, crop: bool) -> int:
+    def _warmup(self, crop: bool, rows, stops) -> int:
         before = sum(compile_counts().values())
         V, recent_width = self.config.vocab_size, self.state.recent.shape[1]
-        rows, stops = self._row_arrays()
         table = self._page_table()
         zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
         for R, T in self.scheduler.prefill_shapes():  # R prefill rows (batching.py's R)

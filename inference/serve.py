@@ -27,6 +27,7 @@ from inference import compile_cache, exported, multihost
 from inference.chat import ChatTemplate
 from inference.engine import Engine
 from inference.load import add_model_args, load_config, load_model
+from inference.sampling_params import SamplingParams
 from inference.server import ServerConfig, create_app
 from inference.steps import PAGE_SIZE
 
@@ -104,6 +105,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     multihost.add_flags(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="compile each program on first use instead of before serving")
+    p.add_argument("--warmup-json-object", action="store_true",
+                   help="also compile response_format json_object for the served tokenizer "
+                        "(tens of seconds over a 50k vocabulary, once: kept in "
+                        "~/.cache/gpt-jax/constraints) and the engine's constrained programs")
     compile_cache.add_flag(p)
     return p.parse_args(argv)
 
@@ -176,7 +181,8 @@ def _serve(args: argparse.Namespace, cfg: ServerConfig, source: Path,
                 print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} "
                       "slots); /health answers 503 until they are ready", flush=True)
                 tick, before = time.monotonic(), compile_cache.programs()
-                engine.warmup()
+                engine.warmup(constraints=[SamplingParams(json_object=True)]
+                              if args.warmup_json_object else ())
                 after = compile_cache.programs()
                 print(f"gpt-jax serve: {after.loaded - before.loaded} programs loaded from "
                       f"cache, {after.compiled - before.compiled} compiled in "
