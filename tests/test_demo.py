@@ -95,7 +95,7 @@ def test_a_stopped_demo_run_resumes_with_the_steps_its_budget_fitted(tmp_path, m
     monkeypatch.setattr(demo, "data_main", lambda argv: None)
     monkeypatch.setattr(inference.cli, "main", lambda argv: None)
     monkeypatch.setattr(train_module, "split_host", lambda cfg: None)
-    monkeypatch.setattr(train_module, "train", lambda cfg: seen.append(cfg) or {
+    monkeypatch.setattr(train_module, "train", lambda cfg, started: seen.append(cfg) or {
         "steps": cfg.max_steps, "tokens_per_s": 1.0, "train_loss": 1.0, "val_loss": 1.0})
     stopped, fresh = tmp_path / "stopped", tmp_path / "fresh"
     fitted = dataclasses.replace(TrainConfig(), run_dir=str(stopped), max_steps=3210,

@@ -126,6 +126,31 @@ def steps_taking(monkeypatch, clock, step_s, schedules, stop_at=None):
     monkeypatch.setattr(T, "make_train_steps", timed)
 
 
+def test_the_budget_keeps_room_for_the_final_checkpoints_save(corpus, tmp_path, monkeypatch):
+    """Fault: the budget timed an evaluation before training but not a checkpoint's save and
+    plot, so a run without a checkpoint before its last (a 200 s `make demo` under load,
+    222 steps) fitted max_steps as if the final checkpoint were an evaluation alone, and
+    ended 7 s past its budget. Now the warm-up rehearses the whole checkpoint in a scratch
+    directory. On the virtual clock every step takes 5 ms and every save 0.5 s: the run is
+    fitted with room for the final save, ends at its fit (the schedule ended) and within
+    the budget, where timing the evaluation alone ran to step 1525 and 8.125 s."""
+    clock = virtual_clock(monkeypatch)
+    save, schedules = L.checkpoint.save, []
+    monkeypatch.setattr(L.checkpoint, "save", lambda *args, **kwargs: (
+        clock.__setitem__(0, clock[0] + 0.5), save(*args, **kwargs)))
+    steps_taking(monkeypatch, clock, 0.005, schedules)
+    cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
+                             max_steps=100_000, warmup_steps=L.FIT_STEPS,
+                             eval_interval=100_000, sample_tokens=0, time_budget_s=8.0)
+    summary = T.train(cfg)
+    # at step 50: 1.0 s of rehearsal + 0.25 s of steps spent, 0.005 s kept for the
+    # recompile and 0.5 s for the final checkpoint, 6.245 s left at 5.25 ms a step
+    assert summary["steps"] == summary["max_steps"] == schedules[-1] == 50 + 1188, summary
+    assert summary["budget_fits"] == [
+        {"step": 50, "from": 100_000, "to": 50 + 1188, "ms_per_step": 5.0}]
+    assert 7.5 < clock[0] <= cfg.time_budget_s, clock
+
+
 @pytest.mark.parametrize("step_s, fitted", [(0.002, 477), (0.01, 96)])
 def test_the_budget_fit_raises_or_lowers_max_steps_and_a_resume_keeps_it(
         corpus, tmp_path, monkeypatch, step_s, fitted):

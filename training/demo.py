@@ -49,6 +49,7 @@ def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
                   f"to step {last['step']} since: figures from metrics.jsonl's last line")
             summary = {**last, "steps": last["step"]}
         return summary
+    started = time.perf_counter()  # the budget covers the train phase, imports included
     from gpt_jax.checkpoint import write_json_atomic
     from training.train import base_config, split_host, train
 
@@ -57,7 +58,7 @@ def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
     cfg = dataclasses.replace(base_config(None, run_dir), run_dir=str(run_dir),
                               time_budget_s=train_seconds)
     split_host(cfg)
-    summary = train(cfg)
+    summary = train(cfg, started=started)
     write_json_atomic(summary_path, summary)
     return summary
 

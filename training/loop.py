@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -258,14 +259,27 @@ class Loop:
         return out
 
     def warm_up(self, state: TrainState) -> None:
-        """Run the evaluation (and sample) before training: once to compile them, once
-        timed, so the budget knows what an evaluation takes before the first checkpoint
-        measures one (with its save)."""
-        for _ in range(2):
-            tick = time.perf_counter()
-            evaluate(state.params, self.config, self.cfg, self.batches, self.mesh)
-            self.sample(state)
-        self.finish_s = time.perf_counter() - tick
+        """Rehearse the run's end before training, once to compile and import, once timed,
+        so the budget keeps room for the whole final checkpoint from the first fit on: an
+        evaluation and sample, and (one process) the checkpoint's save, metrics line and
+        loss plot written to a scratch directory. Timing the evaluation alone left out the
+        save's and the plot's first calls (Orbax, matplotlib's import): a 200 s budget on a
+        loaded machine (load 15-18) ended 7 s past it. In a multi-process run, where every
+        process saves into one directory, the evaluation alone is rehearsed."""
+        rehearse_save = jax.process_count() == 1
+        with tempfile.TemporaryDirectory(prefix="budget-rehearsal-") as scratch:
+            mngr = checkpoint.manager(scratch, 1) if rehearse_save else None
+            for step in range(2):
+                tick = time.perf_counter()
+                evals = evaluate(state.params, self.config, self.cfg, self.batches, self.mesh)
+                self.sample(state)
+                if rehearse_save:
+                    report.append_metrics(scratch, {"step": step, "train_loss": math.nan,
+                                                    **evals, "elapsed_s": 0.0})
+                    self.save(state, mngr, scratch, step, {"step": step}, evals["val_loss"])
+            self.finish_s = time.perf_counter() - tick
+            if mngr is not None:
+                mngr.close()
 
     def sample(self, state: TrainState) -> str | None:
         """A sample of `cfg.sample_tokens` from the current params, on process 0 (None on
@@ -314,12 +328,18 @@ class Loop:
         if (text := self.sample(state)) is not None:
             bar.write(text)
         with interrupts_deferred():  # Ctrl-C now stops the run after these writes
-            checkpoint.save(self.mngr, self.step, state.params, state.opt_state,
-                            {"step": self.step, "elapsed_s": elapsed}, self.evals["val_loss"])
+            self.save(state, self.mngr, self.cfg.run_dir, self.step,
+                      {"step": self.step, "elapsed_s": elapsed}, self.evals["val_loss"])
             self.saved_step = self.step
-            if self.primary:
-                report.plot_losses(self.cfg.run_dir)
         self.finish_s = time.perf_counter() - tick
+
+    def save(self, state: TrainState, mngr, run_dir, step: int, meta: dict,
+             val_loss: float) -> None:
+        """Save a checkpoint at `step` with `mngr` and redraw `run_dir`'s loss plot (process
+        0): the writes of `checkpoint`, which `warm_up` rehearses in a scratch directory."""
+        checkpoint.save(mngr, step, state.params, state.opt_state, meta, val_loss)
+        if self.primary:
+            report.plot_losses(run_dir)
 
     def summary(self) -> dict[str, Any]:
         """steps; max_steps, the schedule's length (fitted to a time budget: steps falls
