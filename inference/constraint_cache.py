@@ -26,6 +26,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,16 +56,21 @@ def _library_version() -> str:
     return version("outlines_core")
 
 
-def load(key: str, vocab_size: int):
-    """The cached `Automaton` of `key` over `vocab_size` tokens, or None when there is none
-    (a broken entry is removed with a warning: its caller compiles it again)."""
-    from inference.constraints import Automaton
+class Arrays(NamedTuple):
+    """An entry's arrays, as `inference.constraints.Automaton` holds them."""
 
+    token_class: np.ndarray  # [V] int32
+    next_state: np.ndarray  # [S, C] int32, -1 = dead
+    accepting: np.ndarray  # [S] bool
+
+
+def load(key: str, vocab_size: int) -> Arrays | None:
+    """The cached arrays of `key` over `vocab_size` tokens, or None when there are none
+    (a broken entry is removed with a warning: its caller compiles it again)."""
     path = cache_dir() / f"{key}.npz"
     try:
         with np.load(path, allow_pickle=False) as data:
-            table = Automaton(*(data[name] for name in ("token_class", "next_state",
-                                                        "accepting")))
+            table = Arrays(*(data[name] for name in Arrays._fields))
         _check(table, vocab_size)
         os.utime(path)  # recently used: kept longest
         return table
@@ -78,8 +84,8 @@ def load(key: str, vocab_size: int):
         return None
 
 
-def _check(table, vocab_size: int) -> None:
-    """Raises ValueError unless the arrays form an `Automaton` over `vocab_size` tokens."""
+def _check(table: Arrays, vocab_size: int) -> None:
+    """Raises ValueError unless the arrays form an automaton over `vocab_size` tokens."""
     S, C = table.next_state.shape
     if not (table.token_class.shape == (vocab_size,) and table.accepting.shape == (S,)
             and table.token_class.dtype == np.int32 and table.next_state.dtype == np.int32
@@ -90,7 +96,7 @@ def _check(table, vocab_size: int) -> None:
                          f"{table.accepting.shape} are no automaton over {vocab_size} tokens")
 
 
-def store(key: str, table) -> None:
+def store(key: str, table: Arrays) -> None:
     """Write `table` as the entry `key` atomically, then keep the newest MAX_ENTRIES; a
     failure to write is a warning."""
     directory = cache_dir()

@@ -234,7 +234,8 @@ def automaton(sampling, tokenizer, vocab_size: int, request=None) -> Automaton |
             return _CACHE[key, vocab]
     field, regex = constraint_regex(sampling, request)
     disk_key = constraint_cache.entry_key(regex, vocab.key)
-    table = constraint_cache.load(disk_key, vocab_size)
+    arrays = constraint_cache.load(disk_key, vocab_size)
+    table = None if arrays is None else Automaton(*arrays)
     if table is None:
         try:
             table = _compile(regex, vocab)
@@ -242,7 +243,8 @@ def automaton(sampling, tokenizer, vocab_size: int, request=None) -> Automaton |
             raise _error(field, _value(sampling, field), "a pattern that some text of the "
                          "tokenizer's tokens matches", "{field}={value!r} cannot be compiled: "
                          + _braces(e) + _where(regex), request) from None
-        constraint_cache.store(disk_key, table)
+        constraint_cache.store(disk_key, constraint_cache.Arrays(
+            table.token_class, table.next_state, table.accepting))
     with _LOCK:
         _CACHE[key, vocab] = table
         if len(_CACHE) > CACHE_SIZE:
