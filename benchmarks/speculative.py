@@ -10,11 +10,12 @@ Usage:
 Workloads (greedy): (a) copy-heavy: a document D, the model's own greedy continuation of a
 seed prompt S (a speaker's name for a trained run, random tokens otherwise), placed in the
 prompt as "S D S D[:h]", so the text left to write is in the prompt (a model that has
-learned to copy, as a trained one has, repeats it); (b) plain continuation of the seeds. Without `--run-dir` the weights are random (`--scale`
-sharpens them; a random model copies only where its own output loops). Each configuration
-is compiled first, then off and on are timed in alternating rounds (`--repeats`, median
-reported) in one process, with the load average printed. Writes
-benchmarks/results/speculative.json and .png and prints a table.
+learned to copy, as a trained one has, repeats it); (b) plain continuation of the seeds.
+Without `--run-dir` the weights are random (`--scale` sharpens them; a random model copies
+only where its own output loops). Each configuration is compiled first, then off and on
+are timed in alternating rounds (`--repeats`, median reported) in one process, with the
+load average printed; the rows whose greedy tokens are identical off and on are counted.
+Writes benchmarks/results/NAME.json and .png (`--name`, default speculative) and prints a table.
 """
 
 from __future__ import annotations
@@ -87,20 +88,21 @@ def measure(params, config, prompts, new: int, k: int, repeats: int) -> dict:
     on = SamplingParams(temperature=0, max_new_tokens=new, speculative="ngram",
                         num_speculative_tokens=k)
     run_once(params, config, prompts, off), run_once(params, config, prompts, on)  # compile
-    times = {"off": [], "on": []}
+    times, outs = {"off": [], "on": []}, {}
     for _ in range(repeats):
         for name, sp in (("off", off), ("on", on)):
-            seconds, outs = run_once(params, config, prompts, sp)
+            seconds, outs[name] = run_once(params, config, prompts, sp)
             times[name].append(seconds)
-            if name == "on":
-                counts = [o.speculation for o in outs]
-                tokens = sum(len(o.tokens) for o in outs)
+    counts = [o.speculation for o in outs["on"]]
+    tokens = sum(len(o.tokens) for o in outs["on"])
+    identical = sum(a.tokens == b.tokens for a, b in zip(outs["off"], outs["on"]))
     drafted, accepted = (sum(c[key] for c in counts) for key in ("drafted", "accepted"))
     off_s, on_s = statistics.median(times["off"]), statistics.median(times["on"])
     return {"tokens": tokens, "off_tokens_per_s": tokens / off_s,
             "on_tokens_per_s": tokens / on_s, "speedup": off_s / on_s,
             "acceptance": accepted / drafted if drafted else 0.0,
-            "tokens_per_step": tokens / sum(c["steps"] for c in counts)}
+            "tokens_per_step": tokens / sum(c["steps"] for c in counts),
+            "identical_rows": f"{identical}/{len(prompts)}"}
 
 
 def plot(rows, path: Path, title: str) -> None:
@@ -144,7 +146,8 @@ def main(argv=None):
             print(f"{workload:6} batch {batch}: off {row['off_tokens_per_s']:8.1f} tok/s  "
                   f"on {row['on_tokens_per_s']:8.1f} tok/s  {row['speedup']:.2f}x  "
                   f"acceptance {row['acceptance']:.0%}  tokens/step "
-                  f"{row['tokens_per_step']:.2f}", flush=True)
+                  f"{row['tokens_per_step']:.2f}  greedy tokens identical "
+                  f"{row['identical_rows']}", flush=True)
     load = os.getloadavg()
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     RESULTS.mkdir(exist_ok=True)
