@@ -8,13 +8,14 @@ Usage:
   gpt-jax bench speculative --run-dir runs/shakespeare-char
 
 Workloads (greedy): (a) copy-heavy: a document D, the model's own greedy continuation of a
-seed prompt, placed in the prompt twice over ("D D[:half]"), so the text to write is in
-the prompt (a model that has learned to copy, as a trained one has, repeats it); (b) plain
-continuation of random prompts. Without `--run-dir` the weights are random (`--scale`
-sharpens them; a random model copies only where its own output loops). Each configuration
-is compiled first, then off and on are timed in alternating rounds (`--repeats`, median
-reported) in one process, with the load average printed. Writes
-benchmarks/results/speculative.json and .png and prints a table.
+seed prompt S (a speaker's name for a trained run, random tokens otherwise), placed in the
+prompt as "S D S D[:h]", so the text left to write is in the prompt (a model that has
+learned to copy, as a trained one has, repeats it); (b) plain continuation of the seeds.
+Without `--run-dir` the weights are random (`--scale` sharpens them; a random model copies
+only where its own output loops). Each configuration is compiled first, then off and on
+are timed in alternating rounds (`--repeats`, median reported) in one process, with the
+load average printed; the rows whose greedy tokens are identical off and on are counted.
+Writes benchmarks/results/NAME.json and .png (`--name`, default speculative) and prints a table.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax
 import numpy as np
 
 from gpt_jax import GPTConfig, init_params
-from gpt_jax.checkpoint import load_params
+from gpt_jax.checkpoint import load_params, load_tokenizer
 from inference import SamplingParams, generate
 
 RESULTS = Path(__file__).parent / "results"
@@ -48,15 +49,31 @@ def load_model(args):
     return params, config, f"random {args.preset} (context {args.max_seq_len}) x{args.scale}"
 
 
-def workloads(params, config, batch: int, new: int, rng) -> dict[str, list[list[int]]]:
-    """The prompts of each workload (see the module docstring)."""
-    seeds = [rng.integers(0, config.vocab_size, 8).tolist() for _ in range(batch)]
-    doc_len = min(2 * new, (config.max_seq_len - new) * 2 // 3)
+SEEDS = ["ROMEO:\n", "JULIET:\n", "KING HENRY:\n", "First Citizen:\n", "HAMLET:\n",
+         "MENENIUS:\n", "LADY MACBETH:\n", "GLOUCESTER:\n"]
+
+
+def seed_prompts(args, config, batch: int, rng) -> list[list[int]]:
+    """A trained run's speaker prompts (its tokenizer), else random tokens."""
+    if args.run_dir:
+        tokenizer = load_tokenizer(args.run_dir)
+        return [tokenizer.encode(SEEDS[i % len(SEEDS)]) for i in range(batch)]
+    return [rng.integers(0, config.vocab_size, 8).tolist() for _ in range(batch)]
+
+
+def workloads(args, params, config, batch: int, new: int, rng) -> dict[str, list[list[int]]]:
+    """The prompts of each workload (see the module docstring): copy-heavy, "S D S D[:h]"
+    where D is the model's greedy continuation of the seed S and `new` tokens of D are left
+    to write, within the context; plain, the seeds alone."""
+    seeds = seed_prompts(args, config, batch, rng)
+    doc_len = (config.max_seq_len - 2 * max(map(len, seeds))) // 2
+    if doc_len <= new:
+        raise SystemExit(f"--max-new-tokens {new} leaves no document to copy in a context of "
+                         f"{config.max_seq_len}; allowed: below {doc_len}")
     docs = generate(params, config, seeds, SamplingParams(temperature=0,
                                                          max_new_tokens=doc_len))
-    copy = [s + d.tokens + (s + d.tokens)[: len(d.tokens) // 2] for s, d in zip(seeds, docs)]
-    plain = [rng.integers(0, config.vocab_size, 16).tolist() for _ in range(batch)]
-    return {"copy": copy, "plain": plain}
+    copy = [s + d.tokens + s + d.tokens[: doc_len - new] for s, d in zip(seeds, docs)]
+    return {"copy": copy, "plain": seeds}
 
 
 def run_once(params, config, prompts, sampling):
@@ -71,20 +88,21 @@ def measure(params, config, prompts, new: int, k: int, repeats: int) -> dict:
     on = SamplingParams(temperature=0, max_new_tokens=new, speculative="ngram",
                         num_speculative_tokens=k)
     run_once(params, config, prompts, off), run_once(params, config, prompts, on)  # compile
-    times = {"off": [], "on": []}
+    times, outs = {"off": [], "on": []}, {}
     for _ in range(repeats):
         for name, sp in (("off", off), ("on", on)):
-            seconds, outs = run_once(params, config, prompts, sp)
+            seconds, outs[name] = run_once(params, config, prompts, sp)
             times[name].append(seconds)
-            if name == "on":
-                counts = [o.speculation for o in outs]
-                tokens = sum(len(o.tokens) for o in outs)
+    counts = [o.speculation for o in outs["on"]]
+    tokens = sum(len(o.tokens) for o in outs["on"])
+    identical = sum(a.tokens == b.tokens for a, b in zip(outs["off"], outs["on"]))
     drafted, accepted = (sum(c[key] for c in counts) for key in ("drafted", "accepted"))
     off_s, on_s = statistics.median(times["off"]), statistics.median(times["on"])
     return {"tokens": tokens, "off_tokens_per_s": tokens / off_s,
             "on_tokens_per_s": tokens / on_s, "speedup": off_s / on_s,
             "acceptance": accepted / drafted if drafted else 0.0,
-            "tokens_per_step": tokens / sum(c["steps"] for c in counts)}
+            "tokens_per_step": tokens / sum(c["steps"] for c in counts),
+            "identical_rows": f"{identical}/{len(prompts)}"}
 
 
 def plot(rows, path: Path, title: str) -> None:
@@ -121,14 +139,15 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     rows = []
     for batch in args.batch:
-        for workload, prompts in workloads(params, config, batch, args.max_new_tokens,
-                                           rng).items():
+        for workload, prompts in workloads(args, params, config, batch,
+                                           args.max_new_tokens, rng).items():
             row = measure(params, config, prompts, args.max_new_tokens, args.k, args.repeats)
             rows.append({"workload": workload, "batch": batch, **row})
             print(f"{workload:6} batch {batch}: off {row['off_tokens_per_s']:8.1f} tok/s  "
                   f"on {row['on_tokens_per_s']:8.1f} tok/s  {row['speedup']:.2f}x  "
                   f"acceptance {row['acceptance']:.0%}  tokens/step "
-                  f"{row['tokens_per_step']:.2f}", flush=True)
+                  f"{row['tokens_per_step']:.2f}  greedy tokens identical "
+                  f"{row['identical_rows']}", flush=True)
     load = os.getloadavg()
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     RESULTS.mkdir(exist_ok=True)

@@ -26,6 +26,12 @@ MASK_VALUE = -1e30
 # prefill scores are at most [T, block] per head at a time.
 ATTENTION_BLOCK = 128
 
+# New tokens per row up to which a CPU program reads the cached pages with the decode kernel
+# (its T * G queries per kv head in one pass over the pages): a decode step (T = 1) and a
+# speculative verification (T = k + 1, `inference.verify`); longer prefill chunks take
+# XLA's blockwise path, whose matrix products suit many queries.
+KERNEL_MAX_NEW_TOKENS = 16
+
 
 def attend(q_TNH: jax.Array, k_SKH: jax.Array, v_SKH: jax.Array, mask_TS: jax.Array) -> jax.Array:
     """Scaled dot-product attention (Vaswani et al. 2017) with grouped kv heads.
@@ -128,9 +134,10 @@ def attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table, length, bound)
     The keys are the row's cached slots [0, length), found through its page table in the
     layer's pools `[num_pages, K, P, H]` (`gpt_jax.cache`), then the T new keys themselves
     (causal among themselves). Blockwise online softmax: no `[T, S]` score matrix is formed.
-    A decode step (T = 1) on CPU reads the pages with a kernel on all cores that touches
-    exactly the live slots (`gpt_jax.kernels.paged_attention`; XLA:CPU's own dots run on one
-    thread); elsewhere, for prefill, where the kernel cannot be built, or inside
+    A decode step or a speculative verification (T <= KERNEL_MAX_NEW_TOKENS) on CPU reads
+    the pages with a kernel on all cores that touches exactly the live slots
+    (`gpt_jax.kernels.paged_attention`; XLA:CPU's own dots run on one thread); elsewhere,
+    for longer prefill chunks, where the kernel cannot be built, or inside
     `gpt_jax.kernels.portable()`, XLA's blockwise path reads the pages below `bound` (>= length,
     shared by a vmapped batch).
     Equal (to float rounding) to `attend` over the whole sequence with the causal mask.
@@ -144,8 +151,11 @@ def attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table, length, bound)
     q_TKGH = q_TNH.reshape(T, K, N // K, H)
     args = (q_TKGH, k_pool, v_pool, page_table, length)
     xla = lambda *args: _prefix_state_xla(*args, bound)  # noqa: E731
-    state = kernels.dispatch(T == 1 and paged_kernel.use_kernel(), _prefix_state_kernel, xla,
-                             *args)
+    # a static bound of 0 (no cached slot to read): XLA's loop runs no block, and stays
+    # differentiable (the kernel is not)
+    empty = isinstance(bound, int) and bound <= 0
+    use_kernel = T <= KERNEL_MAX_NEW_TOKENS and not empty and paged_kernel.use_kernel()
+    state = kernels.dispatch(use_kernel, _prefix_state_kernel, xla, *args)
     return _softmax_output(_attend_new(state, q_TKGH, k_TKH, v_TKH)).astype(v_TKH.dtype)
 
 

@@ -5,18 +5,21 @@ adaptive draft length.
 One speculative step per row: propose up to k tokens by finding the row's last n tokens
 earlier in its prompt and output and copying what followed them (prompt lookup decoding,
 Saxena 2023; vLLM's `NgramProposer`), feed the last sampled token and the drafts (k + 1
-positions) through the cache in one forward (`inference.verify`), then walk the positions
-in order: position j's distribution p is the target's after every sampling transform of
-`inference.sampling` (logit_bias, min_tokens, penalties counting the drafts accepted before
-j, temperature, top-k/p, min-p), and a drafted token x drawn from q is accepted with
+positions) through the cache in one forward (`inference.verify`), then decide every
+position at once (`choose_positions`, one pass over B * T rows) as if the drafts before it
+were accepted, the only case in which its token counts: position j's distribution p is the
+target's after every sampling transform of `inference.sampling` (logit_bias, min_tokens,
+penalties counting the drafts before j, temperature, top-k/p, min-p), and a drafted token x
+drawn from q is accepted with
 probability min(1, p(x)/q(x)); the first rejection emits a token from the residual
 max(0, p - q), normalized, and a run of accepted drafts ends with one token from p
 (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
 Chen et al. 2023, "Accelerating LLM decoding with speculative sampling"). The emitted
 tokens are then distributed as without speculation. For an n-gram draft q is one-hot at x:
 accept with probability p(x), else draw from p without x. A greedy row's p is one-hot at
-its argmax, so it emits exactly the tokens of greedy decoding. Each emitted token is
-recorded as decoding records one (`inference.decode.record_token`): EOS, stop sequences,
+its argmax, so it emits exactly the tokens of greedy decoding. The row emits its accepted
+drafts and the token at the first refusal (or after the last draft), each recorded in order
+as decoding records one (`inference.decode.record_token`): EOS, stop sequences,
 max_new_tokens and log-probs (from the target's raw logits) act inside an accepted run
 exactly as they would token by token, and a row that stops there emits nothing after.
 
@@ -143,24 +146,45 @@ def verify_draft(key, scaled_V, draft, has_draft, q_V):
     return jnp.where(has_draft, jnp.where(accept, draft, residual), plain).astype(jnp.int32)
 
 
-def choose(state: DecodeState, logits_BV, draft_B, has_B, q_BV, rows, stops, pad_id):
-    """The token each row emits at its current step, from the target's raw `logits_BV`
-    after every sampling transform (as `decode.sample_and_record` samples), given its draft
-    `draft_B` where `has_B` (drawn from `q_BV`). A greedy row emits its argmax (so a draft
-    is accepted iff it is that). Returns int32 `[B]`."""
-    logits_BV = stopping.ban_early_eos(logits_BV, state.step, stops)
-    penalized_BV, finite_B = prepare_logits(logits_BV, rows, state.prompt_seen,
-                                            state.output_counts)
+def choose(step_B, seen_BV, counts_BV, logits_BV, draft_B, has_B, q_BV, rows, stops,
+           pad_id):
+    """The token each row emits at step `step_B` (with `seen_BV` its prompt's tokens and
+    `counts_BV` its output's counts so far), from the target's raw `logits_BV` after every
+    sampling transform (as `decode.sample_and_record` samples), given its draft `draft_B`
+    where `has_B` (drawn from `q_BV`). A greedy row emits its argmax (so a draft is
+    accepted iff it is that). Returns int32 `[B]`."""
+    logits_BV = stopping.ban_early_eos(logits_BV, step_B, stops)
+    penalized_BV, finite_B = prepare_logits(logits_BV, rows, seen_BV, counts_BV)
     greedy_B = greedy_tokens(penalized_BV)
     sampled_B = rows.temperature > 0
 
     def draw(penalized_BV):
-        keys_B = row_keys(rows.seed, rows.prompt_hash, rows.sample_index, state.step)
+        keys_B = row_keys(rows.seed, rows.prompt_hash, rows.sample_index, step_B)
         return jax.vmap(verify_draft)(keys_B, scaled_logits(penalized_BV, rows), draft_B,
                                       has_B, q_BV)
 
     drawn_B = jax.lax.cond(sampled_B.any(), draw, lambda _: greedy_B, penalized_BV)
     return jnp.where(finite_B, jnp.where(sampled_B, drawn_B, greedy_B), pad_id)
+
+
+def choose_positions(state: DecodeState, logits_BTV, drafts_BT, has_BT, q_BTV, rows, stops,
+                     pad_id):
+    """`choose` at every fed position at once, as if each row's drafts before it were
+    accepted (the only case in which its token is emitted): position j is the row's step
+    + j, its output counts those of the state plus drafts 0..j-1. One pass over the B * T
+    positions instead of T passes over B rows. Returns int32 `[B, T]`."""
+    B, T, V = logits_BTV.shape
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    per_position = lambda x: jnp.repeat(x, T, axis=0)  # noqa: E731
+    before_BTV = jnp.cumsum(jax.nn.one_hot(drafts_BT, V, dtype=jnp.int32), axis=1) \
+        - jax.nn.one_hot(drafts_BT, V, dtype=jnp.int32)  # drafts 0..j-1 of position j
+    step_BT = state.step[:, None] + jnp.arange(T)[None, :]
+    tokens = choose(flat(step_BT), per_position(state.prompt_seen),
+                    flat(state.output_counts[:, None, :] + before_BTV), flat(logits_BTV),
+                    flat(drafts_BT), flat(has_BT), flat(q_BTV),
+                    jax.tree.map(per_position, rows.replace(constraint=None)),
+                    jax.tree.map(per_position, stops), pad_id)
+    return tokens.reshape(B, T)
 
 
 def draft_lengths(state: DecodeState, spec: SpecState, arrays: SpecArrays, stops, width: int,
@@ -206,28 +230,33 @@ def speculative_step(state: DecodeState, spec: SpecState, verify_fn, rows, stops
     logits_BTV, cache = verify_fn(fed_BT, state.model, jnp.where(running_B, k_B + 1, 0))
     V = logits_BTV.shape[-1]
     drafts_BT = jnp.pad(drafts_BK, ((0, 0), (0, 1)))  # position `width` has no draft
+    has_BT = jnp.arange(width + 1)[None, :] < k_B[:, None]
 
-    def position(carry):  # the fed positions in order, while some row's run goes on
-        j, state, alive_B, emitted_B, accepted_B = carry
-        draft_B, logits_BV = drafts_BT[:, j], logits_BTV[:, j]
-        has_B = alive_B & (j < k_B)
-        token_B = choose(state, logits_BV, draft_B, has_B, jax.nn.one_hot(draft_B, V), rows,
-                         stops, pad_id)
-        state = record_token(state, token_B, logits_BV, alive_B, rows, stops, pad_id)
-        hit_B = has_B & (token_B == draft_B)
-        return (j + 1, state, alive_B & hit_B & ~state.done, emitted_B + alive_B,
-                accepted_B + hit_B)
+    def choose_first(T):  # the first T positions' tokens, padded to width + 1
+        tokens_BT = choose_positions(state, logits_BTV[:, :T], drafts_BT[:, :T], has_BT[:, :T],
+                                     jax.nn.one_hot(drafts_BT[:, :T], V), rows, stops, pad_id)
+        return jnp.pad(tokens_BT, ((0, 0), (0, width + 1 - T)), constant_values=pad_id)
 
-    zeros_B = jnp.zeros_like(k_B)
-    # a loop, not unrolled: one copy of the sampling code to compile, and it stops at the
-    # last position any row reached (a step without drafts samples once); the cache stays
-    # outside it
-    _, state, _, emitted_B, accepted_B = jax.lax.while_loop(
+    # a step in which no row drafts decides position 0 only, as a decode step does
+    tokens_BT = jax.lax.cond((k_B > 0).any(), lambda: choose_first(width + 1),
+                             lambda: choose_first(1))
+    # drafts accepted before the first refusal: the row emits those and one token more
+    run_B = jnp.cumprod((has_BT & (tokens_BT == drafts_BT)).astype(jnp.int32), axis=1).sum(1)
+
+    def position(carry):  # record the emitted tokens in order, while some row's run goes on
+        j, state, alive_B, emitted_B = carry
+        state = record_token(state, tokens_BT[:, j], logits_BTV[:, j], alive_B, rows, stops,
+                             pad_id)
+        return j + 1, state, alive_B & (j < run_B) & ~state.done, emitted_B + alive_B
+
+    # a loop, not unrolled: one copy of the record code to compile, and it stops at the
+    # last position any row reached; the cache stays outside it
+    _, state, _, emitted_B = jax.lax.while_loop(
         lambda c: c[2].any(), position,
-        (0, state.replace(model=None), running_B, zeros_B, zeros_B))
-    state = state.replace(model=cache)
-    cache = state.model.replace(lengths=jnp.where(running_B, lengths_B + emitted_B,
-                                                  state.model.lengths))
+        (0, state.replace(model=None), running_B, jnp.zeros_like(k_B)))
+    cache = cache.replace(lengths=jnp.where(running_B, lengths_B + emitted_B, cache.lengths))
+    # a row that stopped inside its run emitted only accepted drafts
+    accepted_B = jnp.minimum(run_B, emitted_B)
     return state.replace(model=cache), adapt(spec, arrays, k_B, accepted_B, running_B)
 
 

@@ -6,9 +6,11 @@ It is the prefill row function (`inference.steps`) keeping every position's logi
 tokens of one sequence attend to its pages and causally to each other
 (`gpt_jax.model.transformer`), vmapped over the batch, and all of a row's fed tokens are
 stored (`gpt_jax.cache.write`); the caller then sets the row's length to the tokens it
-accepted, so keys and values past it are overwritten later. A chunk step in which no row
-drafts runs the plain decode step instead (one position, the CPU decode kernel), so rows
-that stopped drafting pay nothing for the others' speculation once all have.
+accepted, so keys and values past it are overwritten later. On CPU the T positions read the
+row's pages in one pass of the decode kernel (`gpt_jax.attention.KERNEL_MAX_NEW_TOKENS`), as
+a decode step does. A chunk step in which no row drafts feeds only position 0 (the decode
+step's work), so rows that stopped drafting pay nothing for the others' speculation once
+all have.
 
 Shapes: the letters of `gpt_jax.model`; here T = width + 1, the fed positions.
 """
@@ -20,9 +22,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gpt_jax import cache as kv
+from gpt_jax.cache import CACHE_ROW_AXES
 from gpt_jax.model import lm_head, transformer
 from gpt_jax.params import decode_layout
-from inference.steps import run_rows, run_step
 
 
 def _verify_row(params, tokens_T, cache_row, bound, *, config):
@@ -30,30 +33,44 @@ def _verify_row(params, tokens_T, cache_row, bound, *, config):
     return lm_head(params, x_TD, config), new_kv
 
 
+def _forward(params, config, tokens_BT, cache):
+    """Every row's logits and new keys and values for `tokens_BT` fed at its length, the
+    pools only read: `(logits_BTV, (k_LBTKH, v_LBTKH))`."""
+    row = functools.partial(_verify_row, config=config)
+    return jax.vmap(row, in_axes=(None, 0, CACHE_ROW_AXES, None))(
+        params, tokens_BT, cache, cache.lengths.max())
+
+
 def run_verify(params, config, tokens_BT, cache, n_valid_B):
     """Feed `tokens_BT` (int32, row b's first `n_valid_B[b]` real) at each row's length.
     Returns `(logits_BTV, cache)`: float32 logits of every position (position t predicts the
     token after tokens_BT[:, t]), and the cache with the real tokens stored and the lengths
     advanced by `n_valid_B`."""
-    row = functools.partial(_verify_row, config=config)
-    return run_rows(row, params, cache, tokens_BT, n_valid_B.astype(jnp.int32))
+    logits_BTV, (k_LBTKH, v_LBTKH) = _forward(params, config, tokens_BT, cache)
+    return logits_BTV, kv.write(cache, k_LBTKH, v_LBTKH, n_valid_B.astype(jnp.int32),
+                                after=logits_BTV)
 
 
 def verifier(params, config):
     """`verify_fn(tokens_BT, cache, n_valid_B) -> (logits_BTV, cache)` over weights laid
-    out once (`decode_layout`): `run_verify` when some row feeds more than one token, else
-    the decode step (`inference.steps.run_step`) on position 0, whose logits land at
-    position 0 (the others are zeros, which no row reads)."""
+    out once (`decode_layout`): `run_verify`, whose forward feeds only position 0 (one
+    token per row, the decode step's work) when no row feeds more than one token; its
+    logits land at position 0 (the others are zeros, which no row reads). Only the forward,
+    which reads the pools, is inside the `lax.cond`; the write comes after it (a cond whose
+    branches wrote the pools made XLA copy them: `inference.decode.decode_one`)."""
     params = decode_layout(params)
 
     def verify_fn(tokens_BT, cache, n_valid_B):
-        def verify(cache):
-            return run_verify(params, config, tokens_BT, cache, n_valid_B)
+        T = tokens_BT.shape[1]
 
-        def decode(cache):
-            logits_BV, cache = run_step(params, config, tokens_BT[:, 0], cache, n_valid_B > 0)
-            return jnp.zeros(tokens_BT.shape + logits_BV.shape[-1:]).at[:, 0].set(logits_BV), cache
+        def one(cache):
+            logits_B1V, new_kv = _forward(params, config, tokens_BT[:, :1], cache)
+            pad = lambda x: jnp.pad(x, [(0, 0), (0, T - 1)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+            return pad(logits_B1V), jax.tree.map(pad, new_kv)
 
-        return jax.lax.cond((n_valid_B > 1).any(), verify, decode, cache)
+        logits_BTV, (k_LBTKH, v_LBTKH) = jax.lax.cond(
+            (n_valid_B > 1).any(), lambda c: _forward(params, config, tokens_BT, c), one, cache)
+        return logits_BTV, kv.write(cache, k_LBTKH, v_LBTKH, n_valid_B.astype(jnp.int32),
+                                    after=logits_BTV)
 
     return verify_fn

@@ -147,6 +147,40 @@ def test_64_concurrent_streams_each_equal_its_solo_result(url, llm):
     assert metric(url, "gpt_jax:time_to_first_token_seconds_count") >= 64
 
 
+def test_speculative_requests_served_together_return_the_tokens_of_speculation_off(url):
+    """Greedy requests with n-gram speculation (k = 3: one program width) sent at once with
+    the same requests without it, some with a stop string or max_tokens landing inside the text:
+    each speculative answer (text, finish reason, token count) is the one without, and
+    drafts were accepted on the way (`/metrics`)."""
+    prompts = ["0123012301230123", "ABCDABCDAB", "hello0hello0hel", "9a8b7c6d"]
+
+    async def one(client, prompt, fields):
+        r = await client.completions.create(model="tiny", prompt=prompt, temperature=0,
+                                            **fields)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+
+    def send(requests):
+        async def all_of_them():
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY,
+                                          max_retries=0) as client:  # a bound against a hang
+                return await asyncio.wait_for(
+                    asyncio.gather(*(one(client, *r) for r in requests)), 600)
+        return asyncio.run(all_of_them())
+
+    full = send([(p, {"max_tokens": 40}) for p in prompts])
+    variants = [(p, {"max_tokens": 40}) for p in prompts]
+    variants += [(p, {"max_tokens": 40, "stop": text[6:9]}) for p, (text, _, _) in
+                 zip(prompts, full)] + [(p, {"max_tokens": 13}) for p in prompts[:2]]
+    accepted = metric(url, "gpt_jax:spec_decode_num_accepted_tokens")
+    spec = {"speculative": "ngram", "num_speculative_tokens": 3}
+    answers = send([(p, dict(f, extra_body=extra)) for extra in (None, spec)
+                    for p, f in variants])
+    off, on = answers[:len(variants)], answers[len(variants):]
+    assert sum(reason == "stop" for _, reason, _ in off) >= 3  # stops inside the text
+    assert on == off
+    assert metric(url, "gpt_jax:spec_decode_num_accepted_tokens") > accepted + 20
+
+
 # ---------------------------------------------------------------------- 3. errors
 
 def error_of(response) -> dict:
