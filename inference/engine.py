@@ -25,9 +25,9 @@ from gpt_jax import cache as kv
 from gpt_jax import tensor_parallel
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import inference_params
-from inference import stopping
-from inference.batching import (PrefillBatch, decode_rows, engine_decode, engine_prefill,
-                                prefill_batch, row_arrays)
+from inference import stopping, warmup
+from inference.batching import (decode_rows, engine_decode, engine_prefill, prefill_batch,
+                                row_arrays)
 from inference.decode import CHUNK, init_state
 from inference.detokenize import RequestOutput, request_output, sequence_text
 from inference.errors import RequestError
@@ -277,8 +277,8 @@ class Engine:
     def warmup(self, crop: bool = False) -> int:
         """Compile every program `step()` can run (each prefill shape the scheduler can form
         and each decode batch size; with `crop`, also each count of rows that outgrow the
-        context, for "crop" requests) with nothing in the engine, so none compiles while
-        requests wait. Returns how many programs it compiled. Raises RuntimeError when the
+        context, for "crop" requests: `inference.warmup.programs`) with nothing in the
+        engine, so none compiles while requests wait. Returns how many programs it compiled. Raises RuntimeError when the
         engine holds requests."""
         if self.scheduler.requests:
             raise RuntimeError("warm the Engine up before adding requests")
@@ -287,28 +287,7 @@ class Engine:
 
     def _warmup(self, crop: bool) -> int:
         before = sum(compile_counts().values())
-        V, recent_width = self.config.vocab_size, self.state.recent.shape[1]
-        rows, stops = self._row_arrays()
-        table = self._page_table()
-        zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
-        for R, T in self.scheduler.prefill_shapes():  # R prefill rows (batching.py's R)
-            batch = PrefillBatch(*map(jnp.asarray, (
-                zeros(R, T), zeros(R), zeros(R), np.full(R, self.max_slots, np.int32),
-                zeros(R, dtype=bool), zeros(R),
-                np.full((R, recent_width), stopping.BEFORE_START, np.int32),
-                zeros(R, self.config.max_seq_len), zeros(R, V, dtype=bool),
-                zeros(R, V), zeros(R))))  # padding rows: no effect
-            self.state = (self.prefill_program or engine_prefill)(
-                self.params, self.config, self.state, table, batch, rows, stops, pad_id=0)
-        live = jnp.zeros((self.max_slots,), bool)
-        for n_rows in sorted({decode_rows(k, self.max_slots)
-                              for k in range(1, self.max_slots + 1)}):
-            windows = {decode_rows(k, n_rows) for k in range(1, n_rows + 1)} if crop else set()
-            for n_window in [0] + sorted(windows):
-                self.state = (self.decode_program or engine_decode)(
-                    self.params, self.config, self.state, table, live, rows, stops,
-                    jnp.full((n_window,), self.max_slots, jnp.int32), n_rows=n_rows, pad_id=0)
-        jax.block_until_ready(self.state)
+        warmup.compile_all(self, crop)
         return sum(compile_counts().values()) - before
 
     def _remember_finished(self, request_id: str) -> None:
@@ -379,10 +358,11 @@ class Engine:
         return SpecSlots.arrays(self.scheduler.active, self.max_slots, self.config.max_seq_len)
 
     def _decode(self, running: list[Sequence]) -> None:
-        """One chunk of decode steps over the first slots, every running one among them."""
+        """One chunk of decode steps over the running slots, gathered compactly (a
+        speculative chunk: over the first slots, every running one among them)."""
         live = np.zeros(self.max_slots, bool)
         live[[q.slot for q in running]] = True
-        n_rows = decode_rows(max(q.slot for q in running) + 1, self.max_slots)
+        n_rows = decode_rows(len(running), self.max_slots)
         rows, stops = self._row_arrays()
         window_slots = self._window_slots(running, n_rows)
         width = width_of([q.sampling for q in running])
@@ -390,7 +370,8 @@ class Engine:
             width = bucket(width)  # few programs
             self.state, self.spec.state = engine_speculate(
                 self.params, self.config, self.state, self.spec.state, self._page_table(),
-                jnp.asarray(live), rows, stops, self._spec_arrays(), n_rows=n_rows,
+                jnp.asarray(live), rows, stops, self._spec_arrays(),
+                n_rows=decode_rows(max(q.slot for q in running) + 1, self.max_slots),
                 width=width, pad_id=0)
             return
         self.state = (self.decode_program or engine_decode)(
