@@ -2,8 +2,9 @@
 host packing of their inputs: `engine_prefill` prefills chunks of prompts into their slots
 and inserts each completed prompt into the decode state with its first token;
 `engine_decode` runs one chunk of decode steps (`inference.decode`) for the running slots
-only, gathered into `decode_rows` compact rows and scattered back. The scheduler (`inference.scheduler`)
-decides which sequences, slots and pages; these only run what it planned.
+only, gathered into `decode_rows` compact rows and scattered back. The scheduler
+(`inference.scheduler`) decides which sequences, slots and pages; these only run what it
+planned.
 
 Shapes: the letters of `gpt_jax.model`, and here R, the rows of a prefill call (one per
 prompt chunk, each in its own cache slot), and W, a row's window of its last tokens
@@ -26,7 +27,8 @@ from inference.constraints import automaton
 from inference.decode import DecodeState, decode_chunk, sample_and_record
 from inference.sampling import SamplingArrays
 from inference.sampling_params import SamplingParams
-from inference.scheduler import MIN_PROMPT_BUCKET, PrefillWork, Sequence, bucket
+from inference.scheduler import (MIN_PROMPT_BUCKET, PrefillWork, Sequence, SequenceResult,
+                                 bucket)
 from inference.steps import run_prefill, run_step
 
 
@@ -115,7 +117,9 @@ def live_slots(live_B, n_rows: int):
 def _gather_rows(state: DecodeState, slots_R) -> DecodeState:
     """The decode rows `slots_R` of `state`, compactly (the cache pools stay whole: they are
     shared); a padding slot (>= B) is an empty, finished row: no pages, length 0."""
-    take = lambda x, fill=0: jnp.take(x, slots_R, axis=0, mode="fill", fill_value=fill)  # noqa: E731
+    def take(x, fill=0):
+        return jnp.take(x, slots_R, axis=0, mode="fill", fill_value=fill)
+
     cache = state.model
     model = cache.replace(page_table=take(cache.page_table, kv.NO_PAGE),
                           lengths=take(cache.lengths), overflow=take(cache.overflow, False))
@@ -222,3 +226,29 @@ def row_arrays(active: list[Sequence], max_slots: int, vocab_size: int, widths,
     tables = tuple(automaton(q.sampling, tokenizer, vocab_size) if q else None for q in by_slot)
     rows = rows.replace(constraint=constraint_arrays(tables, vocab_size))
     return rows, stopping.StopArrays.from_params(params, widths)
+
+
+def sequence_results(state: DecodeState, seqs: list[Sequence]) -> list[SequenceResult]:
+    """Read the decode state (one transfer): the new tokens of each sequence since its
+    last result (the token buffer is a ring), their log-probs when asked, and whether it
+    finished (its reason and output length)."""
+    want_logprobs = any(q.sampling.logprobs is not None for q in seqs)
+    host = jax.device_get(state.replace(
+        model=None, prompt_seen=None, output_counts=None,
+        **({} if want_logprobs else {"logprobs": None, "top_ids": None, "top_logprobs": None})))
+    results = []
+    for seq in seqs:
+        b = seq.slot
+        at = np.arange(len(seq.output), int(host.step[b])) % host.tokens.shape[1]  # a ring
+        result = SequenceResult(seq, host.tokens[b, at].tolist(), [], [])
+        if seq.sampling.logprobs is not None:
+            k = seq.sampling.logprobs
+            result.logprobs = host.logprobs[b, at].tolist()
+            result.top_logprobs = [dict(zip(host.top_ids[b, i, :k].tolist(),
+                                            host.top_logprobs[b, i, :k].tolist()))
+                                   for i in at]
+        if host.done[b]:
+            result.num_tokens = int(host.num_tokens[b])  # a token stop sequence cut off
+            result.finish_reason = stopping.FINISH_REASONS[int(host.finish[b])]
+        results.append(result)
+    return results

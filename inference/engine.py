@@ -27,15 +27,15 @@ from gpt_jax.config import GPTConfig
 from gpt_jax.params import inference_params
 from inference import stopping, warmup
 from inference.batching import (decode_rows, engine_decode, engine_prefill, prefill_batch,
-                                row_arrays)
+                                row_arrays, sequence_results)
 from inference.decode import CHUNK, init_state
 from inference.detokenize import RequestOutput, request_output, sequence_text
 from inference.errors import RequestError
 from inference.generation import generate_program
+from inference.mixed import engine_mixed, mixed_batch
 from inference.sampling import prompt_hash
 from inference.sampling_params import MAX_LOGPROBS, SamplingParams
-from inference.scheduler import (PrefillWork, Scheduler, Sequence, SequenceResult, Status,
-                                 bucket)
+from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
 from inference.spec_engine import SpecSlots, engine_speculate
 from inference.speculative import width_of
 from inference.steps import PAGE_SIZE, decode_step, prefill
@@ -48,7 +48,7 @@ def compile_counts() -> dict[str, int]:
     """Programs compiled so far by each jitted entry point (their jit cache sizes)."""
     fns = {"prefill": prefill, "decode_step": decode_step, "generate": generate_program,
            "engine_prefill": engine_prefill, "engine_decode": engine_decode,
-           "engine_speculate": engine_speculate}
+           "engine_speculate": engine_speculate, "engine_mixed": engine_mixed}
     return {name: fn._cache_size() for name, fn in fns.items()}
 
 
@@ -78,8 +78,10 @@ class Engine:
     requests into free slots and plans either a prefill call of up to `max_prefill_tokens`
     prompt tokens (a long prompt goes in over several steps: chunked prefill), which samples
     the first token of every prompt it completes, or one chunk of `CHUNK` decode steps for
-    every running request as one compiled `lax.scan`; with both to do they take turns, so
-    running requests keep producing tokens while prompts load. When the pages cannot hold
+    every running request (gathered compactly) as one compiled `lax.scan`. With both to do, a
+    mixed step (`inference.mixed`) runs a prompt chunk and one decode token of every running
+    request in one call (without mixed steps, or for speculative or "crop" rows past the
+    context, prefill and decode chunks take turns). When the pages cannot hold
     the next chunk of every running request, the most recently admitted request is
     preempted (pages freed, output kept) and recomputed when a slot and pages free up. The
     engine runs the plan's program; the scheduler advances the sequences from what it
@@ -116,6 +118,9 @@ class Engine:
         benchmarks/README.md, "Serving").
       mesh: a `jax.sharding.Mesh` with a "model" axis: weights and KV pages split over it
         (`gpt_jax.tensor_parallel`), the same tokens as on one device; `stats()["mesh"]`.
+      mixed_steps: prompts are prefilled inside the decode steps of the running requests
+        (`inference.mixed`; not with a mesh); False: prefill calls and decode chunks
+        take turns.
     Raises:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
@@ -130,7 +135,7 @@ class Engine:
                  num_pages: int | None = None, kv_cache_bytes: int | None = None,
                  page_size: int = PAGE_SIZE, cache_dtype="float32", prefix_caching: bool = True,
                  max_prefill_tokens: int = 128, prefill_chunk_tokens: int = 64,
-                 quantize: str | None = None, mesh=None):
+                 quantize: str | None = None, mesh=None, mixed_steps: bool = True):
         sizes = dict(max_slots=max_slots, page_size=page_size,
                      max_prefill_tokens=max_prefill_tokens,
                      prefill_chunk_tokens=prefill_chunk_tokens, num_pages=num_pages,
@@ -144,8 +149,9 @@ class Engine:
             int, (max_slots, page_size, max_prefill_tokens, prefill_chunk_tokens))
         if num_pages is not None and kv_cache_bytes is not None:
             raise ValueError("give the Engine num_pages or kv_cache_bytes, not both")
-        if not isinstance(prefix_caching, bool):
-            raise ValueError(f"Engine prefix_caching must be True or False, got {prefix_caching!r}")
+        for name, flag in (("prefix_caching", prefix_caching), ("mixed_steps", mixed_steps)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"Engine {name} must be True or False, got {flag!r}")
         if tokenizer is not None and not (hasattr(tokenizer, "encode")
                                           and hasattr(tokenizer, "decode")):
             raise ValueError(f"Engine tokenizer must have encode and decode, got {tokenizer!r}")
@@ -191,7 +197,8 @@ class Engine:
         self.finished_at_once: list[Sequence] = []  # max_new_tokens = 0: output next step
         self.arrivals = 0
         # None: step() runs the jitted programs (`inference.exported.attach` sets exported ones)
-        self.prefill_program = self.decode_program = None
+        self.prefill_program = self.decode_program = self.mixed_program = None
+        self.mixed = mixed_steps and mesh is None  # prompts go in with the decode tokens
         self.spec = SpecSlots(max_slots)  # speculative rows' draft state and counters
 
     # ------------------------------------------------------------------ requests
@@ -275,10 +282,11 @@ class Engine:
         self._remember_finished(request_id)
 
     def warmup(self, crop: bool = False) -> int:
-        """Compile every program `step()` can run (each prefill shape the scheduler can form
-        and each decode batch size; with `crop`, also each count of rows that outgrow the
-        context, for "crop" requests: `inference.warmup.programs`) with nothing in the
-        engine, so none compiles while requests wait. Returns how many programs it compiled. Raises RuntimeError when the
+        """Compile every program `step()` can run (each mixed step's token count, or without
+        mixed steps each prefill shape, and each decode batch size; with `crop`, also each
+        count of rows that outgrow the context, for "crop" requests:
+        `inference.warmup.programs`) with nothing in the engine, so none compiles while
+        requests wait. Returns how many programs it compiled. Raises RuntimeError when the
         engine holds requests."""
         if self.scheduler.requests:
             raise RuntimeError("warm the Engine up before adding requests")
@@ -329,14 +337,16 @@ class Engine:
         tokens or finished in it."""
         outputs = [self._output(seq) for seq in self.finished_at_once]  # max_new_tokens = 0
         self.finished_at_once.clear()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(mixed=self.mixed)
         with self.on_mesh():
-            if plan.prefill:
+            if plan.mixed and plan.runs:
+                self._mixed(plan.decode, plan.prefill)
+            elif plan.prefill:
                 self._prefill(plan.prefill)
             elif plan.decode:
                 self._decode(plan.decode)
         sampled = plan.sampled
-        results = self._results(sampled) if plan.runs else []
+        results = sequence_results(self.state, sampled) if plan.runs else []
         old = [len(seq.output) for seq in sampled]
         self.scheduler.update(plan, results)
         outputs += [self._output(seq, n) for seq, n in zip(sampled, old)]
@@ -352,6 +362,18 @@ class Engine:
             prefill_batch(work, self.max_slots, self.config.vocab_size,
                           self.state.recent.shape[1], self.state.window.shape[1], self.tokenizer),
             rows, stops, pad_id=0)
+        self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
+
+    def _mixed(self, decode: list[Sequence], work: list[PrefillWork]) -> None:
+        """One mixed step (`inference.mixed`): a token of each `decode` sequence and the
+        chunks of `work`, in one call."""
+        rows, stops = self._row_arrays()
+        batch = mixed_batch(decode, work, self.max_slots, self.config.vocab_size,
+                            self.state.recent.shape[1], self.state.window.shape[1],
+                            self.tokenizer)
+        self.state = (self.mixed_program or engine_mixed)(
+            self.params, self.config, self.state, self._page_table(), batch, rows, stops,
+            pad_id=0)
         self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
 
     def _spec_arrays(self):
@@ -401,30 +423,6 @@ class Engine:
         slots = np.full(decode_rows(len(near), n_rows) if near else 0, self.max_slots, np.int32)
         slots[: len(near)] = sorted(near)
         return jnp.asarray(slots)
-
-    def _results(self, seqs: list[Sequence]) -> list[SequenceResult]:
-        """Read the decode state: the new tokens of each sequence, and whether it finished."""
-        want_logprobs = any(q.sampling.logprobs is not None for q in seqs)
-        host = jax.device_get(self.state.replace(
-            model=None, prompt_seen=None, output_counts=None,
-            **({} if want_logprobs else {"logprobs": None, "top_ids": None,
-                                         "top_logprobs": None})))
-        results = []
-        for seq in seqs:
-            b = seq.slot
-            at = np.arange(len(seq.output), int(host.step[b])) % host.tokens.shape[1]  # a ring
-            result = SequenceResult(seq, host.tokens[b, at].tolist(), [], [])
-            if seq.sampling.logprobs is not None:
-                k = seq.sampling.logprobs
-                result.logprobs = host.logprobs[b, at].tolist()
-                result.top_logprobs = [dict(zip(host.top_ids[b, i, :k].tolist(),
-                                                host.top_logprobs[b, i, :k].tolist()))
-                                       for i in at]
-            if host.done[b]:
-                result.num_tokens = int(host.num_tokens[b])  # a token stop sequence cut off
-                result.finish_reason = stopping.FINISH_REASONS[int(host.finish[b])]
-            results.append(result)
-        return results
 
     def _output(self, seq: Sequence, old: int | None = None) -> RequestOutput:
         """The sample's RequestOutput; with a tokenizer, its text, cut at a stop string (which

@@ -1,5 +1,6 @@
 """The programs an `inference.Engine` can run, listed and compiled before any request: each
-prefill shape the scheduler can form (`Scheduler.prefill_shapes`) and each decode chunk's
+mixed step's token count (`Scheduler.mixed_shapes`; without mixed steps, each prefill shape
+the scheduler can form, `Scheduler.prefill_shapes`) and each decode chunk's
 batch size (`inference.batching.decode_rows` of the running count: the decode rows are the
 running slots gathered compactly), with `crop` also each count of rows that may outgrow
 the context. `Engine.warmup` calls `compile_all`; a test checks that a random workload runs
@@ -15,11 +16,13 @@ import numpy as np
 
 from inference import stopping
 from inference.batching import PrefillBatch, decode_rows, engine_decode, engine_prefill
+from inference.mixed import engine_mixed, mixed_batch
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Program:
-    """One compiled program of the Engine: a prefill call of `rows` x `length` tokens
+    """One compiled program of the Engine: a mixed step of `length` query tokens (kind
+    "mixed", `rows` the rows it samples), a prefill call of `rows` x `length` tokens
     (kind "prefill"), or a decode chunk of `rows` rows, `window` of them rows that may
     outgrow the context (kind "decode")."""
 
@@ -32,7 +35,11 @@ class Program:
 def programs(engine, crop: bool = False) -> list[Program]:
     """Every program `engine.step()` can run (plain decode: speculative chunks and
     structured-output tables compile their own), prefill shapes first, each once."""
-    listed = [Program("prefill", R, T) for R, T in engine.scheduler.prefill_shapes()]
+    if engine.mixed:
+        listed = [Program("mixed", min(N, engine.max_slots), N)
+                  for N in engine.scheduler.mixed_shapes()]
+    else:
+        listed = [Program("prefill", R, T) for R, T in engine.scheduler.prefill_shapes()]
     for n_rows in sorted({decode_rows(k, engine.max_slots)
                           for k in range(1, engine.max_slots + 1)}):
         windows = {decode_rows(k, n_rows) for k in range(1, n_rows + 1)} if crop else set()
@@ -51,7 +58,12 @@ def compile_all(engine, crop: bool = False) -> None:
     live = jnp.zeros((engine.max_slots,), bool)
     for program in programs(engine, crop):
         R, T = program.rows, program.length
-        if program.kind == "prefill":
+        if program.kind == "mixed":
+            batch = mixed_batch([], [], engine.max_slots, V, recent_width,
+                                engine.state.window.shape[1], n_tokens=T)  # padding only
+            engine.state = (engine.mixed_program or engine_mixed)(
+                engine.params, engine.config, engine.state, table, batch, rows, stops, pad_id=0)
+        elif program.kind == "prefill":
             batch = PrefillBatch(*map(jnp.asarray, (
                 zeros(R, T), zeros(R), zeros(R), np.full(R, engine.max_slots, np.int32),
                 zeros(R, dtype=bool), zeros(R),
