@@ -151,6 +151,7 @@ def test_warmup_with_crop_covers_every_window_count(small, monkeypatch):
         return state
 
     monkeypatch.setattr(warmup, "engine_prefill", lambda *args, **kwargs: args[2])
+    monkeypatch.setattr(warmup, "engine_mixed", lambda *args, **kwargs: args[2])
     monkeypatch.setattr(warmup, "engine_decode", decode)
     monkeypatch.setattr(engine_module, "compile_counts", dict)
     engine.warmup(crop=True)

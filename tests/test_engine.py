@@ -247,6 +247,7 @@ def test_a_random_workload_runs_only_the_programs_warmup_lists(config, params):
     engine = Engine(params, config, max_slots=8, max_prefill_tokens=64)
     listed = set(warmup.programs(engine))
     assert len(listed) <= 12, sorted(listed)
+    assert len(warmup.programs(Engine(params, config))) <= 12  # the default sizes: 4 + 6
     ran = set()
 
     def prefill_program(params, config, state, table, batch, *args, **kwargs):
