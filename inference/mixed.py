@@ -3,11 +3,12 @@ and chunks of waiting prompts as one flattened batch of N query tokens over the 
 (`gpt_jax.ragged`), decode tokens first (Sarathi-Serve's stall-free batching, Agrawal et
 al. 2024; vLLM v1's scheduler), then samples the next token of every decoded row and the
 first token of every prompt the step completes. A long prompt goes in over several steps
-while the others keep decoding, one token each per step. One compiled program per N
-(`Scheduler.mixed_shapes`), whatever the mix.
+while the others keep decoding, one token each per step. One compiled program per count
+of prompt tokens (`Scheduler.mixed_shapes`), whatever the mix.
 
-Shapes: the letters of `gpt_jax.model`; N the step's query tokens, R = min(N, max_slots)
-the rows it samples (a decode row, or a prompt it completes), W a row's window
+Shapes: the letters of `gpt_jax.model`; N the step's query tokens (max_slots single ones
+for the decode rows, then the prompt chunks' blocks), R = max_slots the rows it samples
+(a decode row, or a prompt it completes), W a row's window
 (`inference.decode`); `recent_width` counts a row's recent tokens.
 """
 
@@ -22,7 +23,7 @@ from flax import struct
 
 from gpt_jax import cache as kv
 from gpt_jax.model import lm_head
-from gpt_jax.ragged import ragged_transformer
+from gpt_jax.ragged import QUERY_BLOCK, ragged_transformer
 from inference import stopping
 from inference.batching import _gather_rows, _scatter_rows, put_history
 from inference.decode import DecodeState, sample_and_record
@@ -37,6 +38,7 @@ class MixedBatch:
     slot: jax.Array  # [N] int32, the token's cache slot
     position: jax.Array  # [N] int32, its position in its sequence
     decode: jax.Array  # [N] bool, a running row's token: its last sampled (`next_token`)
+    valid: jax.Array  # [N] bool, a real token (a chunk's block padding is not stored)
     row_slot: jax.Array  # [R] int32, the slot of each row sampled in this step
     row_at: jax.Array  # [R] int32, the index among the N of its last token
     insert: jax.Array  # [R] bool, its prompt completes: it joins the decode state
@@ -50,15 +52,16 @@ class MixedBatch:
 
 def mixed_batch(decode: list[Sequence], work: list[PrefillWork], max_slots: int,
                 vocab_size: int, recent_width: int, window_width: int, tokenizer=None,
-                n_tokens: int | None = None) -> MixedBatch:
-    """The host arrays of a mixed step: the `decode` sequences' tokens first (one each, at
-    position length - 1), then the `work` chunks, padded to N = `n_tokens` (default: the
-    bucket of the count, at least MIN_PROMPT_BUCKET)."""
-    count = len(decode) + sum(w.n for w in work)
-    N = bucket(count, MIN_PROMPT_BUCKET) if n_tokens is None else n_tokens
-    R, V = min(N, max_slots), vocab_size
+                n_prompt: int | None = None) -> MixedBatch:
+    """The host arrays of a mixed step: max_slots single tokens, the `decode` sequences'
+    first (one each, at position length - 1), then `n_prompt` tokens (default: the bucket
+    of the `work` chunks, each padded to whole blocks of QUERY_BLOCK, at least one block)
+    holding the chunks."""
+    padded = sum(blocks(w.n) for w in work)
+    n_prompt = bucket(padded, MIN_PROMPT_BUCKET) if n_prompt is None else n_prompt
+    N, R, V = max_slots + n_prompt, max_slots, vocab_size
     tokens, position = np.zeros(N, np.int32), np.zeros(N, np.int32)
-    slot, is_decode = np.full(N, max_slots, np.int32), np.zeros(N, bool)
+    slot, is_decode, valid = np.full(N, max_slots, np.int32), np.zeros(N, bool), np.zeros(N, bool)
     row_slot, row_at = np.full(R, max_slots, np.int32), np.zeros(R, np.int32)
     insert = np.zeros(R, bool)
     step, constraint = np.zeros(R, np.int32), np.zeros(R, np.int32)
@@ -67,21 +70,27 @@ def mixed_batch(decode: list[Sequence], work: list[PrefillWork], max_slots: int,
     seen, counts = np.zeros((R, V), bool), np.zeros((R, V), np.int32)
     r = 0
     for i, seq in enumerate(decode):
-        slot[i], position[i], is_decode[i] = seq.slot, seq.length - 1, True
+        slot[i], position[i], is_decode[i], valid[i] = seq.slot, seq.length - 1, True, True
         row_slot[r], row_at[r], r = seq.slot, i, r + 1
-    i = len(decode)
+    i = max_slots
     for w in work:
-        seq = w.seq
+        seq, n = w.seq, blocks(w.n)
         tokens[i: i + w.n] = seq.target[w.start: w.start + w.n]
-        slot[i: i + w.n], position[i: i + w.n] = seq.slot, w.start + np.arange(w.n)
-        i += w.n
+        slot[i: i + n], position[i: i + n] = seq.slot, w.start + np.arange(n)
+        valid[i: i + w.n] = True
         if w.completes:
-            row_slot[r], row_at[r], insert[r] = seq.slot, i - 1, True
+            row_slot[r], row_at[r], insert[r] = seq.slot, i + w.n - 1, True
             put_history(seq, r, step, recent, window, seen, counts, constraint, tokenizer)
             r += 1
-    return MixedBatch(*map(jnp.asarray, (tokens, slot, position, is_decode, row_slot, row_at,
-                                         insert, step, recent, window, seen, counts,
+        i += n
+    return MixedBatch(*map(jnp.asarray, (tokens, slot, position, is_decode, valid, row_slot,
+                                         row_at, insert, step, recent, window, seen, counts,
                                          constraint)))
+
+
+def blocks(n: int) -> int:
+    """Tokens that `n` prompt tokens take in a mixed step: whole query blocks."""
+    return -(-n // QUERY_BLOCK) * QUERY_BLOCK
 
 
 def _insert(state: DecodeState, batch: MixedBatch) -> DecodeState:
@@ -112,9 +121,10 @@ def engine_mixed(params, config, state: DecodeState, page_table, batch: MixedBat
                          batch.tokens)
     table_NM = jnp.take(page_table, slot_N, axis=0, mode="fill", fill_value=kv.NO_PAGE)
     cache = state.model.replace(page_table=page_table)
-    x_ND, cache = ragged_transformer(params, tokens_N, batch.position, table_NM, slot_N < B,
-                                     cache, config)
-    lengths = cache.lengths.at[slot_N].set(0, mode="drop").at[slot_N].max(
+    x_ND, cache = ragged_transformer(params, tokens_N, batch.position, table_NM, batch.valid,
+                                     cache, config, n_single=B)
+    written_N = jnp.where(batch.valid, slot_N, B)
+    lengths = cache.lengths.at[written_N].set(0, mode="drop").at[written_N].max(
         batch.position + 1, mode="drop")
     state = _insert(state.replace(model=cache.replace(lengths=lengths)), batch)
     logits_RV = lm_head(params, x_ND[batch.row_at], config)

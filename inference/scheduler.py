@@ -313,11 +313,10 @@ class Scheduler:
         return not seq.sampling.speculative and seq.length <= self.max_seq_len
 
     def mixed_shapes(self) -> list[int]:
-        """Every token count N a mixed step can take (powers of two from MIN_PROMPT_BUCKET
-        up to the bucket of the most tokens: max_slots decode tokens and the prefill share,
+        """Every count of prompt tokens a mixed step can take besides its max_slots decode
+        tokens (powers of two from MIN_PROMPT_BUCKET up to the bucket of the budget,
         `mixed_work`), the programs `Engine.warmup` compiles for mixed steps."""
-        most = bucket(max(self.max_prefill_tokens, self.max_slots + MIN_PROMPT_BUCKET),
-                      MIN_PROMPT_BUCKET)
+        most = bucket(self.max_prefill_tokens, MIN_PROMPT_BUCKET)
         return [1 << k for k in range(MIN_PROMPT_BUCKET.bit_length() - 1,
                                       most.bit_length())]
 
@@ -326,7 +325,8 @@ class Scheduler:
         tokens, in admission order: the step's budget of `max_prefill_tokens` query tokens,
         less the decode tokens (which go first, Sarathi-Serve's order) but at least
         MIN_PROMPT_BUCKET, so prompts go in while any number of sequences decode; each
-        sequence at most `prefill_chunk_tokens` per step."""
+        sequence at most `prefill_chunk_tokens` per step, its chunk taking whole query
+        blocks of MIN_PROMPT_BUCKET tokens of the budget (`gpt_jax.ragged.QUERY_BLOCK`)."""
         budget = max(self.max_prefill_tokens - n_decode, MIN_PROMPT_BUCKET)
         work = []
         for seq in (s for s in self.active if s.status == Status.PREFILLING):
@@ -334,7 +334,7 @@ class Scheduler:
             if n <= 0:
                 break
             work.append(PrefillWork(seq, seq.prefilled, n))
-            budget -= n
+            budget -= bucket_up(n, MIN_PROMPT_BUCKET)
         return work
 
     def prefilled(self, work: list[PrefillWork]) -> None:
@@ -406,3 +406,8 @@ class Scheduler:
 def bucket(n: int, floor: int = 1) -> int:
     """The power of two at or above `n` (and `floor`): padded sizes, so few programs."""
     return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def bucket_up(n: int, step: int) -> int:
+    """`n` rounded up to a multiple of `step`."""
+    return -(-n // step) * step

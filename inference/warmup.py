@@ -21,8 +21,8 @@ from inference.mixed import engine_mixed, mixed_batch
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Program:
-    """One compiled program of the Engine: a mixed step of `length` query tokens (kind
-    "mixed", `rows` the rows it samples), a prefill call of `rows` x `length` tokens
+    """One compiled program of the Engine: a mixed step of `rows` decode tokens and
+    `length` prompt tokens (kind "mixed"), a prefill call of `rows` x `length` tokens
     (kind "prefill"), or a decode chunk of `rows` rows, `window` of them rows that may
     outgrow the context (kind "decode")."""
 
@@ -36,8 +36,8 @@ def programs(engine, crop: bool = False) -> list[Program]:
     """Every program `engine.step()` can run (plain decode: speculative chunks and
     structured-output tables compile their own), prefill shapes first, each once."""
     if engine.mixed:
-        listed = [Program("mixed", min(N, engine.max_slots), N)
-                  for N in engine.scheduler.mixed_shapes()]
+        listed = [Program("mixed", engine.max_slots, n)
+                  for n in engine.scheduler.mixed_shapes()]
     else:
         listed = [Program("prefill", R, T) for R, T in engine.scheduler.prefill_shapes()]
     for n_rows in sorted({decode_rows(k, engine.max_slots)
@@ -60,7 +60,7 @@ def compile_all(engine, crop: bool = False) -> None:
         R, T = program.rows, program.length
         if program.kind == "mixed":
             batch = mixed_batch([], [], engine.max_slots, V, recent_width,
-                                engine.state.window.shape[1], n_tokens=T)  # padding only
+                                engine.state.window.shape[1], n_prompt=T)  # padding only
             engine.state = (engine.mixed_program or engine_mixed)(
                 engine.params, engine.config, engine.state, table, batch, rows, stops, pad_id=0)
         elif program.kind == "prefill":
