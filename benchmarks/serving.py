@@ -12,7 +12,8 @@ Scenarios:
   arrivals: the workload below through each engine.
   prefix: 32 requests at once sharing a 256-token prefix (+ 8-32 own tokens), prefix caching
     on and off: tokens prefilled, TTFT p50/p99.
-  long-prompt: 16 requests decoding, then a 1,000-token prompt arrives; time per output
+  long-prompt: 16 requests decoding (--out-max tokens each), then a 1,000-token prompt
+    arrives, with mixed steps and with prefill and decode taking turns; time per output
     token of the 16 (the time since a request's previous tokens over its new ones, so a
     prefill step that stalls it counts), p50 and p99, with prefill budgets (and chunks) of
     64, 128 and 1024 (the whole prompt in one prefill), and with --max-prefill-tokens and
@@ -66,11 +67,12 @@ def workload(args, config, rate, seed):
             for t, n, m in zip(arrivals, prompts, outputs)]
 
 
-def run_continuous(params, config, args, requests):
-    """Add each request at its arrival time, step the engine, time every token."""
+def run_continuous(params, config, args, requests, mixed=True):
+    """Add each request at its arrival time, step the engine (`mixed`: with mixed steps),
+    time every token."""
     engine = Engine(params, config, max_slots=args.max_slots,
                     max_prefill_tokens=args.max_prefill_tokens,
-                    prefill_chunk_tokens=args.prefill_chunk_tokens)
+                    prefill_chunk_tokens=args.prefill_chunk_tokens, mixed_steps=mixed)
     engine.warmup()
     times = {i: [] for i in range(len(requests))}
     start, pending, peak = time.perf_counter(), list(enumerate(requests)), 0
@@ -202,41 +204,58 @@ def prefix(args, params, config):
     save("serving-prefix", rows, plot, vars(args))
 
 
+def _long_prompt_run(args, params, config, budget, chunk, mixed, rng):
+    """16 requests decoding, a 1,000-token prompt arriving at their 5th step: the 16's time
+    per output token, one value per step's output (time since its previous tokens over its
+    new ones)."""
+    engine = Engine(params, config, max_slots=args.max_slots, max_prefill_tokens=budget,
+                    prefill_chunk_tokens=chunk, mixed_steps=mixed)
+    for i in range(16):
+        engine.add_request(str(i), rng.integers(0, config.vocab_size, 32).tolist(),
+                           SamplingParams(temperature=0.0, max_new_tokens=args.out_max))
+    while engine.stats()["prefilling"] or engine.stats()["waiting"]:
+        engine.step()
+    engine.step()  # every one of the 16 has an output time
+    per_token, last, steps = [], {}, 0
+    while engine.has_unfinished_requests():
+        if steps == 4:
+            engine.add_request("long", rng.integers(0, config.vocab_size, 1000).tolist(),
+                               SamplingParams(temperature=0.0, max_new_tokens=8))
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id != "long" and o.new_token_ids and o.request_id in last:
+                per_token.append((now - last[o.request_id]) / len(o.new_token_ids))
+            last[o.request_id] = now
+        steps += 1
+    return per_token
+
+
 def long_prompt(args, params, config):
+    """Each setting (budget, chunk, mixed steps or turns) once untimed (it compiles), then
+    --rounds timed runs taking turns between the settings; medians over the rounds."""
     rng = np.random.default_rng(args.seed)
-    rows = []
-    settings = dict.fromkeys([(64, 64), (128, 128), (1024, 1024),
-                              (args.max_prefill_tokens, args.prefill_chunk_tokens)])
-    for budget, chunk in settings:
-        for timed in (False, True):  # the first run compiles
-            engine = Engine(params, config, max_slots=args.max_slots, max_prefill_tokens=budget,
-                            prefill_chunk_tokens=chunk)
-            for i in range(16):
-                engine.add_request(str(i), rng.integers(0, config.vocab_size, 32).tolist(),
-                                   SamplingParams(temperature=0.0, max_new_tokens=200))
-            while engine.stats()["prefilling"] or engine.stats()["waiting"]:
-                engine.step()
-            engine.step()  # every one of the 16 has an output time
-            per_token, last, steps = [], {}, 0
-            while engine.has_unfinished_requests():
-                if steps == 4:
-                    engine.add_request("long", rng.integers(0, config.vocab_size, 1000).tolist(),
-                                       SamplingParams(temperature=0.0, max_new_tokens=8))
-                outs = engine.step()
-                now = time.perf_counter()
-                for o in outs:  # time since the request's previous tokens, per new token
-                    if o.request_id != "long" and o.new_token_ids and o.request_id in last:
-                        per_token.append((now - last[o.request_id]) / len(o.new_token_ids))
-                    last[o.request_id] = now
-                steps += 1
-        p50, p99 = np.percentile(per_token, 50), np.percentile(per_token, 99)
-        rows.append({"max_prefill_tokens": budget, "prefill_chunk_tokens": chunk,
-                     "tpot_p50": float(p50),
-                     "tpot_p99": float(p99), "p99_over_p50": float(p99 / p50)})
+    settings = list(dict.fromkeys([(64, 64, False), (128, 128, False), (1024, 1024, False),
+                                   (args.max_prefill_tokens, args.prefill_chunk_tokens, False),
+                                   (args.max_prefill_tokens, args.prefill_chunk_tokens, True),
+                                   (64, 64, True)]))
+    for setting in settings:
+        _long_prompt_run(args, params, config, *setting, rng)
+    runs = {setting: [] for setting in settings}
+    for _ in range(args.rounds):
+        for setting in settings:
+            tick = time.perf_counter()
+            per_token = _long_prompt_run(args, params, config, *setting, rng)
+            p50, p99 = np.percentile(per_token, 50), np.percentile(per_token, 99)
+            runs[setting].append((p50, p99, p99 / p50, time.perf_counter() - tick))
+    rows = [{"max_prefill_tokens": b, "prefill_chunk_tokens": c, "mixed_steps": m,
+             **{k: float(np.median([r[i] for r in results]))
+                for i, k in enumerate(["tpot_p50", "tpot_p99", "p99_over_p50", "run_s"])}}
+            for (b, c, m), results in runs.items()]
 
     def plot(ax, rows):
         ax.bar([f"budget {r['max_prefill_tokens']}, chunk {r['prefill_chunk_tokens']}"
-                for r in rows],
+                f"{', mixed' if r['mixed_steps'] else ''}" for r in rows],
                [r["p99_over_p50"] for r in rows])
         ax.set_ylabel("TPOT p99 / p50 of 16 decoding requests")
 
@@ -310,8 +329,11 @@ def main(argv=None) -> None:
     for rate in args.rates:
         requests = workload(args, config, rate, args.seed)
         runs = {"continuous (Engine)": lambda: run_continuous(params, config, args, requests),
+                "continuous (Engine, turns)": lambda: run_continuous(params, config, args,
+                                                                     requests, mixed=False),
                 "static (generate)": lambda: (run_static(static, requests, args.max_slots), None)}
         without_compiles(runs["continuous (Engine)"])
+        without_compiles(runs["continuous (Engine, turns)"])
         rounds = {name: [] for name in runs}
         for _ in range(args.rounds):
             for name, run in runs.items():

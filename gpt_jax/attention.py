@@ -159,6 +159,20 @@ def attend_paged(q_TNH, k_TKH, v_TKH, k_pool, v_pool, page_table, length, bound)
     return _softmax_output(_attend_new(state, q_TKGH, k_TKH, v_TKH)).astype(v_TKH.dtype)
 
 
+def attend_cached(q_NH, k_pool, v_pool, page_table, length, bound):
+    """Attention of ONE query (its N heads) over slots [0, length) of one row's pages, its
+    own key already stored among them (the ragged forward, `gpt_jax.ragged`, writes every
+    new key before attending). The CPU kernel where `attend_paged`'s decode step uses it,
+    else XLA's blockwise path below `bound`. Returns `[N, H]` float32; zeros for length 0."""
+    N, H = q_NH.shape
+    K = k_pool.shape[1]
+    q_TKGH = q_NH.reshape(1, K, N // K, H)
+    xla = lambda *args: _prefix_state_xla(*args, bound)  # noqa: E731
+    state = kernels.dispatch(paged_kernel.use_kernel(), _prefix_state_kernel, xla,
+                             q_TKGH, k_pool, v_pool, page_table, length)
+    return _softmax_output(state)[0]
+
+
 def _attend_new(state, q_TKGH, k_TKH, v_TKH):
     """Fold in the T new keys themselves, causally (key j visible to query t iff j <= t),
     in blocks of ATTENTION_BLOCK keys so no [T, T] score matrix is ever formed."""

@@ -1,9 +1,10 @@
 """The continuous-batching programs `Engine` runs on its one long-lived decode state, and the
 host packing of their inputs: `engine_prefill` prefills chunks of prompts into their slots
 and inserts each completed prompt into the decode state with its first token;
-`engine_decode` runs one chunk of decode steps (`inference.decode`) for the first
-`decode_rows` slots, every running one among them. The scheduler (`inference.scheduler`)
-decides which sequences, slots and pages; these only run what it planned.
+`engine_decode` runs one chunk of decode steps (`inference.decode`) for the running slots
+only, gathered into `decode_rows` compact rows and scattered back. The scheduler
+(`inference.scheduler`) decides which sequences, slots and pages; these only run what it
+planned.
 
 Shapes: the letters of `gpt_jax.model`, and here R, the rows of a prefill call (one per
 prompt chunk, each in its own cache slot), and W, a row's window of its last tokens
@@ -19,13 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from gpt_jax import cache as kv
 from inference import stopping
 from inference.constraint_mask import constraint_arrays
 from inference.constraints import automaton
 from inference.decode import DecodeState, decode_chunk, sample_and_record
 from inference.sampling import SamplingArrays
 from inference.sampling_params import SamplingParams
-from inference.scheduler import MIN_PROMPT_BUCKET, PrefillWork, Sequence, bucket
+from inference.scheduler import (MIN_PROMPT_BUCKET, PrefillWork, Sequence, SequenceResult,
+                                 bucket)
 from inference.steps import run_prefill, run_step
 
 
@@ -104,24 +107,62 @@ def _put_first_rows(state: DecodeState, rows: DecodeState) -> DecodeState:
     return merged.replace(model=model)
 
 
+def live_slots(live_B, n_rows: int):
+    """int32 `[n_rows]`: the `live_B` slots, ascending, padded with B (an out-of-range slot:
+    a padding row). `n_rows` must be at least the live count (`decode_rows` of it)."""
+    B = live_B.shape[0]
+    return jnp.nonzero(live_B, size=n_rows, fill_value=B)[0].astype(jnp.int32)
+
+
+def _gather_rows(state: DecodeState, slots_R) -> DecodeState:
+    """The decode rows `slots_R` of `state`, compactly (the cache pools stay whole: they are
+    shared); a padding slot (>= B) is an empty, finished row: no pages, length 0."""
+    def take(x, fill=0):
+        return jnp.take(x, slots_R, axis=0, mode="fill", fill_value=fill)
+
+    cache = state.model
+    model = cache.replace(page_table=take(cache.page_table, kv.NO_PAGE),
+                          lengths=take(cache.lengths), overflow=take(cache.overflow, False))
+    rows = jax.tree.map(take, state.replace(model=None))
+    return rows.replace(model=model, done=take(state.done, True))
+
+
+def _scatter_rows(state: DecodeState, slots_R, rows: DecodeState) -> DecodeState:
+    """`state` with its rows `slots_R` replaced by `rows` (padding slots dropped) and its
+    pools by theirs."""
+    put = lambda x, y: x.at[slots_R].set(y, mode="drop")  # noqa: E731
+    model = state.model.replace(k=rows.model.k, v=rows.model.v,
+                                lengths=put(state.model.lengths, rows.model.lengths),
+                                overflow=put(state.model.overflow, rows.model.overflow))
+    merged = jax.tree.map(put, state.replace(model=None), rows.replace(model=None))
+    return merged.replace(model=model)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "n_rows", "pad_id"),
                    donate_argnames="state")
 def engine_decode(params, config, state: DecodeState, page_table, live_B, rows, stops,
                   window_slots, *, n_rows: int, pad_id: int):
-    """One chunk of decode steps for the first `n_rows` slots (every live slot among them):
-    rows not `live_B` are finished first (freed, aborted or stopped on the host). The slots
-    `window_slots` (int32 `[R]`, R = 0 when no row can outgrow the context in this chunk;
-    entries >= n_rows are padding) are the rows that may: each step, those whose context is
-    full are predicted from their window (`inference.steps.window_logits`). `state` is
-    donated: the cache is written in place."""
+    """One chunk of decode steps for the `live_B` slots only, gathered into `n_rows` compact
+    rows (`live_slots`; padding rows are finished and cost no attention), their results
+    scattered back: finished and free slots cost nothing. Slots not `live_B` are finished
+    first (freed, aborted or stopped on the host). The slots `window_slots` (int32 `[R]`,
+    R = 0 when no row can outgrow the context in this chunk; entries >= max_slots are
+    padding) are the rows that may: each step, those whose context is full are predicted
+    from their window (`inference.steps.window_logits`). `state` is donated: the cache is
+    written in place."""
     state = state.replace(model=state.model.replace(page_table=page_table),
                           done=state.done | ~live_B)
-    first = lambda x: x[:n_rows]  # noqa: E731
+    B = live_B.shape[0]
+    slots_R = live_slots(live_B, n_rows)
+    compact_B = jnp.cumsum(live_B) - 1  # a live slot's row among the compact rows
+    window_R = jnp.where(window_slots < B, compact_B[jnp.minimum(window_slots, B - 1)], n_rows)
     step_fn = lambda tokens_B, cache, advance_B, window_BW: run_step(  # noqa: E731
-        params, config, tokens_B, cache, advance_B, window_BW, window_slots)
-    chunk = decode_chunk(_first_rows(state, n_rows), step_fn, jax.tree.map(first, rows),
-                         jax.tree.map(first, stops), pad_id)
-    return _put_first_rows(state, chunk)
+        params, config, tokens_B, cache, advance_B, window_BW, window_R)
+    take = lambda x: jnp.take(x, slots_R, axis=0, mode="fill", fill_value=0)  # noqa: E731
+    chunk = decode_chunk(_gather_rows(state, slots_R), step_fn, jax.tree.map(take, rows),
+                         jax.tree.map(take, stops), pad_id)
+    return _scatter_rows(state, slots_R, chunk)
+
 
 def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, recent_width: int,
                   window_width: int, tokenizer=None) -> PrefillBatch:
@@ -144,17 +185,28 @@ def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, rece
         tokens[r, : w.n] = seq.target[w.start: w.start + w.n]
         n_valid[r], start[r], slot[r] = w.n, w.start, seq.slot
         if w.completes:
-            insert[r], step[r] = True, len(seq.output)
-            seen[r, seq.prompt] = True
-            np.add.at(counts[r], seq.output, 1)
-            tail = seq.output[-recent_width:]
-            recent[r, recent_width - len(tail):] = tail
-            tail = seq.target[-window.shape[1]:]  # the target is at most max_seq_len
-            window[r, window.shape[1] - len(tail):] = tail
-            table = automaton(seq.sampling, tokenizer, vocab_size)
-            constraint[r] = table.walk(seq.output) if table is not None else 0
+            insert[r] = True
+            put_history(seq, r, step, recent, window, seen, counts, constraint, tokenizer)
     return PrefillBatch(*map(jnp.asarray, (tokens, n_valid, start, slot, insert, step,
                                            recent, window, seen, counts, constraint)))
+
+
+def put_history(seq: Sequence, r: int, step, recent, window, seen, counts, constraint,
+                tokenizer=None) -> None:
+    """Write, at row `r` of the host arrays (`PrefillBatch`'s fields of the same names), the
+    history of a sequence whose prompt completes (a preempted one resumes where it was):
+    its step, last generated tokens, last W tokens, prompt tokens, output counts and its
+    automaton's state (structured output, compiled with `tokenizer`)."""
+    recent_width, W = recent.shape[1], window.shape[1]
+    step[r] = len(seq.output)
+    seen[r, seq.prompt] = True
+    np.add.at(counts[r], seq.output, 1)
+    tail = seq.output[-recent_width:]
+    recent[r, recent_width - len(tail):] = tail
+    tail = seq.target[-W:]  # the target is at most max_seq_len
+    window[r, W - len(tail):] = tail
+    table = automaton(seq.sampling, tokenizer, seen.shape[1])
+    constraint[r] = table.walk(seq.output) if table is not None else 0
 
 
 def row_arrays(active: list[Sequence], max_slots: int, vocab_size: int, widths,
@@ -174,3 +226,29 @@ def row_arrays(active: list[Sequence], max_slots: int, vocab_size: int, widths,
     tables = tuple(automaton(q.sampling, tokenizer, vocab_size) if q else None for q in by_slot)
     rows = rows.replace(constraint=constraint_arrays(tables, vocab_size))
     return rows, stopping.StopArrays.from_params(params, widths)
+
+
+def sequence_results(state: DecodeState, seqs: list[Sequence]) -> list[SequenceResult]:
+    """Read the decode state (one transfer): the new tokens of each sequence since its
+    last result (the token buffer is a ring), their log-probs when asked, and whether it
+    finished (its reason and output length)."""
+    want_logprobs = any(q.sampling.logprobs is not None for q in seqs)
+    host = jax.device_get(state.replace(
+        model=None, prompt_seen=None, output_counts=None,
+        **({} if want_logprobs else {"logprobs": None, "top_ids": None, "top_logprobs": None})))
+    results = []
+    for seq in seqs:
+        b = seq.slot
+        at = np.arange(len(seq.output), int(host.step[b])) % host.tokens.shape[1]  # a ring
+        result = SequenceResult(seq, host.tokens[b, at].tolist(), [], [])
+        if seq.sampling.logprobs is not None:
+            k = seq.sampling.logprobs
+            result.logprobs = host.logprobs[b, at].tolist()
+            result.top_logprobs = [dict(zip(host.top_ids[b, i, :k].tolist(),
+                                            host.top_logprobs[b, i, :k].tolist()))
+                                   for i in at]
+        if host.done[b]:
+            result.num_tokens = int(host.num_tokens[b])  # a token stop sequence cut off
+            result.finish_reason = stopping.FINISH_REASONS[int(host.finish[b])]
+        results.append(result)
+    return results

@@ -25,19 +25,19 @@ from gpt_jax import cache as kv
 from gpt_jax import tensor_parallel
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import inference_params
-from inference import stopping
-from inference.batching import (PrefillBatch, decode_rows, engine_decode, engine_prefill,
-                                prefill_batch, row_arrays)
+from inference import stopping, warmup
+from inference.batching import (decode_rows, engine_decode, engine_prefill, prefill_batch,
+                                row_arrays, sequence_results)
 from inference.constraint_mask import warmup_arrays
 from inference.constraints import automaton
 from inference.decode import CHUNK, init_state, widen_recent
 from inference.detokenize import RequestOutput, request_output, sequence_text
 from inference.errors import RequestError
 from inference.generation import generate_program
+from inference.mixed import engine_mixed, mixed_batch
 from inference.sampling import prompt_hash
 from inference.sampling_params import MAX_LOGPROBS, SamplingParams
-from inference.scheduler import (PrefillWork, Scheduler, Sequence, SequenceResult, Status,
-                                 bucket)
+from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
 from inference.spec_engine import SpecSlots, engine_speculate
 from inference.speculative import width_of
 from inference.steps import PAGE_SIZE, decode_step, prefill
@@ -50,7 +50,7 @@ def compile_counts() -> dict[str, int]:
     """Programs compiled so far by each jitted entry point (their jit cache sizes)."""
     fns = {"prefill": prefill, "decode_step": decode_step, "generate": generate_program,
            "engine_prefill": engine_prefill, "engine_decode": engine_decode,
-           "engine_speculate": engine_speculate}
+           "engine_speculate": engine_speculate, "engine_mixed": engine_mixed}
     return {name: fn._cache_size() for name, fn in fns.items()}
 
 
@@ -80,8 +80,10 @@ class Engine:
     requests into free slots and plans either a prefill call of up to `max_prefill_tokens`
     prompt tokens (a long prompt goes in over several steps: chunked prefill), which samples
     the first token of every prompt it completes, or one chunk of `CHUNK` decode steps for
-    every running request as one compiled `lax.scan`; with both to do they take turns, so
-    running requests keep producing tokens while prompts load. When the pages cannot hold
+    every running request (gathered compactly) as one compiled `lax.scan`. With both to do, a
+    mixed step (`inference.mixed`) runs a prompt chunk and one decode token of every running
+    request in one call (without mixed steps, or for speculative or "crop" rows past the
+    context, prefill and decode chunks take turns). When the pages cannot hold
     the next chunk of every running request, the most recently admitted request is
     preempted (pages freed, output kept) and recomputed when a slot and pages free up. The
     engine runs the plan's program; the scheduler advances the sequences from what it
@@ -118,6 +120,11 @@ class Engine:
         benchmarks/README.md, "Serving").
       mesh: a `jax.sharding.Mesh` with a "model" axis: weights and KV pages split over it
         (`gpt_jax.tensor_parallel`), the same tokens as on one device; `stats()["mesh"]`.
+      mixed_steps: True: prompts are prefilled inside the decode steps of the running
+        requests (`inference.mixed`; not with a mesh); False (the default): prefill calls
+        and decode chunks take turns. Both give the same tokens; on CPU mixed steps still
+        raise the running requests' p99 time per token under a long prompt (prompt tokens
+        attend through XLA, not a CPU kernel: benchmarks/README.md, "Serving").
     Raises:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
@@ -132,7 +139,7 @@ class Engine:
                  num_pages: int | None = None, kv_cache_bytes: int | None = None,
                  page_size: int = PAGE_SIZE, cache_dtype="float32", prefix_caching: bool = True,
                  max_prefill_tokens: int = 128, prefill_chunk_tokens: int = 64,
-                 quantize: str | None = None, mesh=None):
+                 quantize: str | None = None, mesh=None, mixed_steps: bool = False):
         sizes = dict(max_slots=max_slots, page_size=page_size,
                      max_prefill_tokens=max_prefill_tokens,
                      prefill_chunk_tokens=prefill_chunk_tokens, num_pages=num_pages,
@@ -146,8 +153,9 @@ class Engine:
             int, (max_slots, page_size, max_prefill_tokens, prefill_chunk_tokens))
         if num_pages is not None and kv_cache_bytes is not None:
             raise ValueError("give the Engine num_pages or kv_cache_bytes, not both")
-        if not isinstance(prefix_caching, bool):
-            raise ValueError(f"Engine prefix_caching must be True or False, got {prefix_caching!r}")
+        for name, flag in (("prefix_caching", prefix_caching), ("mixed_steps", mixed_steps)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"Engine {name} must be True or False, got {flag!r}")
         if tokenizer is not None and not (hasattr(tokenizer, "encode")
                                           and hasattr(tokenizer, "decode")):
             raise ValueError(f"Engine tokenizer must have encode and decode, got {tokenizer!r}")
@@ -193,7 +201,8 @@ class Engine:
         self.finished_at_once: list[Sequence] = []  # max_new_tokens = 0: output next step
         self.arrivals = 0
         # None: step() runs the jitted programs (`inference.exported.attach` sets exported ones)
-        self.prefill_program = self.decode_program = None
+        self.prefill_program = self.decode_program = self.mixed_program = None
+        self.mixed = mixed_steps and mesh is None  # prompts go in with the decode tokens
         self.spec = SpecSlots(max_slots)  # speculative rows' draft state and counters
 
     # ------------------------------------------------------------------ requests
@@ -273,10 +282,12 @@ class Engine:
                 self.finished_at_once.remove(seq)
         self._remember_finished(request_id)
 
-    def warmup(self, crop: bool = False, constraints: collections.abc.Sequence[SamplingParams] = ()) -> int:
-        """Compile every program `step()` can run (each prefill shape the scheduler can form
-        and each decode batch size; with `crop`, also each count of rows that outgrow the
-        context, for "crop" requests) with nothing in the engine, so none compiles while
+    def warmup(self, crop: bool = False,
+               constraints: collections.abc.Sequence[SamplingParams] = ()) -> int:
+        """Compile every program `step()` can run (each mixed step's token count, or without
+        mixed steps each prefill shape, and each decode batch size; with `crop`, also each
+        count of rows that outgrow the context, for "crop" requests:
+        `inference.warmup.programs`) with nothing in the engine, so none compiles while
         requests wait. With `constraints` (structured-output requests' SamplingParams,
         compiled with the engine's tokenizer), also each program's constrained variant for
         the smallest table size and for theirs (`constraint_mask.warmup_arrays`). Returns
@@ -293,33 +304,10 @@ class Engine:
             rows, stops = self._row_arrays()
             banks = warmup_arrays(tables, self.max_slots, self.config.vocab_size) \
                 if constraints else []
-            return sum(self._warmup(crop, variant, stops)
-                       for variant in [rows] + [rows.replace(constraint=b) for b in banks])
-
-    def _warmup(self, crop: bool, rows, stops) -> int:
-        before = sum(compile_counts().values())
-        V, recent_width = self.config.vocab_size, self.state.recent.shape[1]
-        table = self._page_table()
-        zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
-        for R, T in self.scheduler.prefill_shapes():  # R prefill rows (batching.py's R)
-            batch = PrefillBatch(*map(jnp.asarray, (
-                zeros(R, T), zeros(R), zeros(R), np.full(R, self.max_slots, np.int32),
-                zeros(R, dtype=bool), zeros(R),
-                np.full((R, recent_width), stopping.BEFORE_START, np.int32),
-                zeros(R, self.config.max_seq_len), zeros(R, V, dtype=bool),
-                zeros(R, V), zeros(R))))  # padding rows: no effect
-            self.state = (self.prefill_program or engine_prefill)(
-                self.params, self.config, self.state, table, batch, rows, stops, pad_id=0)
-        live = jnp.zeros((self.max_slots,), bool)
-        for n_rows in sorted({decode_rows(k, self.max_slots)
-                              for k in range(1, self.max_slots + 1)}):
-            windows = {decode_rows(k, n_rows) for k in range(1, n_rows + 1)} if crop else set()
-            for n_window in [0] + sorted(windows):
-                self.state = (self.decode_program or engine_decode)(
-                    self.params, self.config, self.state, table, live, rows, stops,
-                    jnp.full((n_window,), self.max_slots, jnp.int32), n_rows=n_rows, pad_id=0)
-        jax.block_until_ready(self.state)
-        return sum(compile_counts().values()) - before
+            before = sum(compile_counts().values())
+            for variant in [rows] + [rows.replace(constraint=b) for b in banks]:
+                warmup.compile_all(self, crop, variant, stops)
+            return sum(compile_counts().values()) - before
 
     def _remember_finished(self, request_id: str) -> None:
         self.finished_ids[request_id] = None
@@ -360,14 +348,16 @@ class Engine:
         tokens or finished in it."""
         outputs = [self._output(seq) for seq in self.finished_at_once]  # max_new_tokens = 0
         self.finished_at_once.clear()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(mixed=self.mixed)
         with self.on_mesh():
-            if plan.prefill:
+            if plan.mixed and plan.runs:
+                self._mixed(plan.decode, plan.prefill)
+            elif plan.prefill:
                 self._prefill(plan.prefill)
             elif plan.decode:
                 self._decode(plan.decode)
         sampled = plan.sampled
-        results = self._results(sampled) if plan.runs else []
+        results = sequence_results(self.state, sampled) if plan.runs else []
         old = [len(seq.output) for seq in sampled]
         self.scheduler.update(plan, results)
         outputs += [self._output(seq, n) for seq, n in zip(sampled, old)]
@@ -385,14 +375,27 @@ class Engine:
             rows, stops, pad_id=0)
         self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
 
+    def _mixed(self, decode: list[Sequence], work: list[PrefillWork]) -> None:
+        """One mixed step (`inference.mixed`): a token of each `decode` sequence and the
+        chunks of `work`, in one call."""
+        rows, stops = self._row_arrays()
+        batch = mixed_batch(decode, work, self.max_slots, self.config.vocab_size,
+                            self.state.recent.shape[1], self.state.window.shape[1],
+                            self.tokenizer)
+        self.state = (self.mixed_program or engine_mixed)(
+            self.params, self.config, self.state, self._page_table(), batch, rows, stops,
+            pad_id=0)
+        self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
+
     def _spec_arrays(self):
         return SpecSlots.arrays(self.scheduler.active, self.max_slots, self.config.max_seq_len)
 
     def _decode(self, running: list[Sequence]) -> None:
-        """One chunk of decode steps over the first slots, every running one among them."""
+        """One chunk of decode steps over the running slots, gathered compactly (a
+        speculative chunk: over the first slots, every running one among them)."""
         live = np.zeros(self.max_slots, bool)
         live[[q.slot for q in running]] = True
-        n_rows = decode_rows(max(q.slot for q in running) + 1, self.max_slots)
+        n_rows = decode_rows(len(running), self.max_slots)
         rows, stops = self._row_arrays()
         window_slots = self._window_slots(running, n_rows)
         width = width_of([q.sampling for q in running])
@@ -400,7 +403,8 @@ class Engine:
             width = bucket(width)  # few programs
             self.state, self.spec.state = engine_speculate(
                 self.params, self.config, self.state, self.spec.state, self._page_table(),
-                jnp.asarray(live), rows, stops, self._spec_arrays(), n_rows=n_rows,
+                jnp.asarray(live), rows, stops, self._spec_arrays(),
+                n_rows=decode_rows(max(q.slot for q in running) + 1, self.max_slots),
                 width=width, pad_id=0)
             return
         self.state = (self.decode_program or engine_decode)(
@@ -430,30 +434,6 @@ class Engine:
         slots = np.full(decode_rows(len(near), n_rows) if near else 0, self.max_slots, np.int32)
         slots[: len(near)] = sorted(near)
         return jnp.asarray(slots)
-
-    def _results(self, seqs: list[Sequence]) -> list[SequenceResult]:
-        """Read the decode state: the new tokens of each sequence, and whether it finished."""
-        want_logprobs = any(q.sampling.logprobs is not None for q in seqs)
-        host = jax.device_get(self.state.replace(
-            model=None, prompt_seen=None, output_counts=None,
-            **({} if want_logprobs else {"logprobs": None, "top_ids": None,
-                                         "top_logprobs": None})))
-        results = []
-        for seq in seqs:
-            b = seq.slot
-            at = np.arange(len(seq.output), int(host.step[b])) % host.tokens.shape[1]  # a ring
-            result = SequenceResult(seq, host.tokens[b, at].tolist(), [], [])
-            if seq.sampling.logprobs is not None:
-                k = seq.sampling.logprobs
-                result.logprobs = host.logprobs[b, at].tolist()
-                result.top_logprobs = [dict(zip(host.top_ids[b, i, :k].tolist(),
-                                                host.top_logprobs[b, i, :k].tolist()))
-                                       for i in at]
-            if host.done[b]:
-                result.num_tokens = int(host.num_tokens[b])  # a token stop sequence cut off
-                result.finish_reason = stopping.FINISH_REASONS[int(host.finish[b])]
-            results.append(result)
-        return results
 
     def _output(self, seq: Sequence, old: int | None = None) -> RequestOutput:
         """The sample's RequestOutput; with a tokenizer, its text, cut at a stop string (which

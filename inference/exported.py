@@ -4,9 +4,9 @@ start skips tracing and lowering the engine's Python.
 With the persistent compilation cache alone (`inference.compile_cache`), a start still traces
 and lowers every program to find its cache entry: most of a warm start (measured in
 benchmarks/README.md, "Start-up"). `ExportedPrograms.wrap` runs a jitted entry point
-(`engine_prefill`, `engine_decode`) through `jax.export` instead: the first call of each
-shape exports it (the CPU kernels' custom calls kept: reading an artifact registers the
-kernels it calls) and writes the serialized artifact; a later process
+(`engine_prefill`, `engine_decode`, `engine_mixed`) through `jax.export` instead: the first
+call of each shape exports it (the CPU kernels' custom calls kept: reading an artifact
+registers the kernels it calls) and writes the serialized artifact; a later process
 deserializes it and lowers only the call, whose XLA program then comes from the cache.
 Results equal the jitted function's: the same StableHLO runs.
 
@@ -33,6 +33,7 @@ import numpy as np
 
 from gpt_jax.kernels import causal_attention, int8_matmul, paged_attention
 from inference.batching import engine_decode, engine_prefill
+from inference.mixed import engine_mixed
 
 PACKAGES = ("gpt_jax", "inference")  # whose source keys every artifact
 # The CPU kernels' FFI targets, and what registers each (tracing a program registers the
@@ -142,10 +143,11 @@ class ExportedPrograms:
 
 
 def attach(engine, directory: Path) -> ExportedPrograms:
-    """Make `engine` (an `inference.Engine`) run its prefill and decode programs exported,
-    with the artifacts in `directory`. Returns the programs (their counts)."""
+    """Make `engine` (an `inference.Engine`) run its prefill, decode and mixed programs
+    exported, with the artifacts in `directory`. Returns the programs (their counts)."""
     programs = ExportedPrograms(directory)
     engine.prefill_program = programs.wrap(engine_prefill, ("config", "pad_id"), "state")
     engine.decode_program = programs.wrap(engine_decode, ("config", "n_rows", "pad_id"),
                                           "state")
+    engine.mixed_program = programs.wrap(engine_mixed, ("config", "pad_id"), "state")
     return programs

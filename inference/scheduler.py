@@ -83,6 +83,8 @@ class SchedulerPlan:
     # sent back to the waiting queue (pages and slot freed, output kept) to make room for
     # the decode chunk of the others; they are recomputed when admitted again
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    # one mixed step (`inference.mixed`): the prefill rows and one decode step of `decode`
+    mixed: bool = False
 
     @property
     def runs(self) -> bool:
@@ -163,16 +165,25 @@ class Scheduler:
             self.finish(seq, "abort")
         return seqs
 
-    def schedule(self) -> SchedulerPlan:
+    def schedule(self, mixed: bool = False) -> SchedulerPlan:
         """Admit waiting sequences, then plan the step: a prefill call when prompts wait for
         one, unless sequences run and the last step prefilled (then they decode: the two
         take turns); else a decode chunk for every running sequence, preempting as pages
-        require (all of them, in a corner case: then nothing runs)."""
+        require (all of them, in a corner case: then nothing runs). With `mixed` (the engine
+        runs mixed steps, `inference.mixed`), prompts go in as `mixed_work` and, when every
+        running sequence can (`mixable`), one step decodes one token of each of them and
+        prefills in the same call (stall-free batching): no turns."""
         self.admit()
-        work = self.prefill_work()
+        prefilling = any(s.status == Status.PREFILLING for s in self.active)
+        if mixed and prefilling and self.running() and all(map(self.mixable, self.running())):
+            preempted = self.reserve_decode(1)
+            decode = self.running()
+            return SchedulerPlan(prefill=self.mixed_work(len(decode)), decode=decode,
+                                 preempted=preempted, mixed=True)
+        work = self.mixed_work(0) if mixed else self.prefill_work()
         if work and not (self.running() and self.last_step_prefilled):
             self.last_step_prefilled = True
-            return SchedulerPlan(prefill=work)
+            return SchedulerPlan(prefill=work, mixed=mixed)
         if not self.running():
             return SchedulerPlan()
         self.last_step_prefilled = False
@@ -295,6 +306,37 @@ class Scheduler:
                 best = (tokens, work)
         return best[1]
 
+    def mixable(self, seq: Sequence) -> bool:
+        """Whether a running sequence can decode inside a mixed step: not speculative, and
+        its next token's position inside the context (a "crop" request past it needs its
+        window forward, `inference.steps.window_logits`)."""
+        return not seq.sampling.speculative and seq.length <= self.max_seq_len
+
+    def mixed_shapes(self) -> list[int]:
+        """Every count of prompt tokens a mixed step can take besides its max_slots decode
+        tokens (powers of two from MIN_PROMPT_BUCKET up to the bucket of the budget,
+        `mixed_work`), the programs `Engine.warmup` compiles for mixed steps."""
+        most = bucket(self.max_prefill_tokens, MIN_PROMPT_BUCKET)
+        return [1 << k for k in range(MIN_PROMPT_BUCKET.bit_length() - 1,
+                                      most.bit_length())]
+
+    def mixed_work(self, n_decode: int) -> list[PrefillWork]:
+        """Chunks of the prefilling sequences for a mixed step that also decodes `n_decode`
+        tokens, in admission order: the step's budget of `max_prefill_tokens` query tokens,
+        less the decode tokens (which go first, Sarathi-Serve's order) but at least
+        MIN_PROMPT_BUCKET, so prompts go in while any number of sequences decode; each
+        sequence at most `prefill_chunk_tokens` per step, its chunk taking whole query
+        blocks of MIN_PROMPT_BUCKET tokens of the budget (`gpt_jax.ragged.QUERY_BLOCK`)."""
+        budget = max(self.max_prefill_tokens - n_decode, MIN_PROMPT_BUCKET)
+        work = []
+        for seq in (s for s in self.active if s.status == Status.PREFILLING):
+            n = min(len(seq.target) - seq.prefilled, self.prefill_chunk_tokens, budget)
+            if n <= 0:
+                break
+            work.append(PrefillWork(seq, seq.prefilled, n))
+            budget -= bucket_up(n, MIN_PROMPT_BUCKET)
+        return work
+
     def prefilled(self, work: list[PrefillWork]) -> None:
         """Record a prefill call: advance each sequence and cache its newly full pages."""
         for w in work:
@@ -364,3 +406,8 @@ class Scheduler:
 def bucket(n: int, floor: int = 1) -> int:
     """The power of two at or above `n` (and `floor`): padded sizes, so few programs."""
     return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def bucket_up(n: int, step: int) -> int:
+    """`n` rounded up to a multiple of `step`."""
+    return -(-n // step) * step

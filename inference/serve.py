@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="KV page pool size in bytes (default: every slot can hold the "
                         "model's context)")
+    p.add_argument("--mixed-steps", action="store_true",
+                   help="prefill prompt chunks inside the running requests' decode steps "
+                        "(one program per token bucket; not with --tensor-parallel)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="most completions waiting beyond the slots before 429")
     p.add_argument("--api-key", default=None,
@@ -258,7 +261,8 @@ def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, tuple[int, 
             raise ValueError(f"{source} has no tokenizer")
         return Engine(params, config, tokenizer, max_slots=args.max_slots,
                       kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
-                      quantize=args.quantize, mesh=_mesh(args.tensor_parallel)), eos
+                      quantize=args.quantize, mesh=_mesh(args.tensor_parallel),
+                      mixed_steps=args.mixed_steps), eos
     except (OSError, ValueError, ImportError) as error:  # ImportError: a .bin without torch
         raise SystemExit(f"gpt-jax serve: {error}") from error
 

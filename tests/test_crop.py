@@ -14,6 +14,7 @@ import pytest
 from conftest import assert_lively
 from gpt_jax import forward
 from inference import Engine, SamplingParams, engine as engine_module, generate, naive_generate
+from inference import warmup
 from inference.batching import decode_rows
 from inference.scheduler import Sequence
 
@@ -149,8 +150,9 @@ def test_warmup_with_crop_covers_every_window_count(small, monkeypatch):
         warmed.add((n_rows, slots.shape[0]))
         return state
 
-    monkeypatch.setattr(engine_module, "engine_prefill", lambda *args, **kwargs: args[2])
-    monkeypatch.setattr(engine_module, "engine_decode", decode)
+    monkeypatch.setattr(warmup, "engine_prefill", lambda *args, **kwargs: args[2])
+    monkeypatch.setattr(warmup, "engine_mixed", lambda *args, **kwargs: args[2])
+    monkeypatch.setattr(warmup, "engine_decode", decode)
     monkeypatch.setattr(engine_module, "compile_counts", dict)
     engine.warmup(crop=True)
     crop = SamplingParams(max_new_tokens=50, context_overflow="crop")

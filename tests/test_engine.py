@@ -3,6 +3,7 @@ running batch at random steps, get preempted, share prefix pages or are prefille
 produce exactly what they produce alone; pages all come back; compiles stay bounded; bad
 requests are refused before they are queued while the engine keeps serving."""
 
+import collections
 import logging
 
 import jax
@@ -12,7 +13,9 @@ import pytest
 
 from conftest import assert_close, assert_lively
 from gpt_jax import CharTokenizer, init_cache
-from inference import Engine, SamplingParams, compile_counts, generate, prefill
+from inference import Engine, SamplingParams, compile_counts, generate, prefill, warmup
+from inference.batching import engine_decode, engine_prefill
+from inference.mixed import engine_mixed
 from inference.decode import CHUNK
 from inference.llm import LLM
 
@@ -74,23 +77,43 @@ def assert_same_as_alone(config, params, requests, finals, reference="generate")
             assert out.token_ids == ref.tokens, (request_id, k)
             assert out.finish_reason == ref.finish_reason, (request_id, k)
             assert out.seed == ref.seed
-            if out.text is not None:
-                assert out.text == ref.text
+            if out.text is not None:  # `generate` returns tokens: their text, EOS not shown
+                shown = ref.tokens[:-1] if ref.finish_reason == "eos" else ref.tokens
+                assert out.text == getattr(ref, "text", TOKENIZER.decode(shown))
             if sp.logprobs is not None:
                 assert_close(out.logprobs, ref.logprobs, 1e-4, f"{request_id} logprobs")
                 assert [list(d) for d in out.top_logprobs] == [list(d) for d in ref.top_logprobs]
 
 
 def test_requests_joining_at_random_steps_equal_each_request_alone(config, params):
+    """40 requests of random lengths and settings join at random steps, a third behind one
+    shared two-page prefix (prefix hits), in a page pool that preempts, their prompts going
+    in 12-token chunks inside mixed steps (decode rows and prefill chunks in one call):
+    tokens, finish reasons and log-probs equal `generate` run on each alone (with stop
+    strings: tokens and text equal `LLM.generate` of the one request)."""
     rng = np.random.default_rng(0)
-    requests = random_requests(config, rng, 40)
-    engine = Engine(params, config, TOKENIZER, max_slots=8, page_size=8)
+    shared = rng.integers(0, 64, 16).tolist()
+    requests = [(r, shared + p if i % 3 == 0 else p, sp)
+                for i, (r, p, sp) in enumerate(random_requests(config, rng, 40))]
+    engine = Engine(params, config, TOKENIZER, max_slots=8, page_size=8, num_pages=32,
+                    max_prefill_tokens=24, prefill_chunk_tokens=12, mixed_steps=True)
+    steps = collections.Counter()  # mixed steps by (decodes, prefills)
+
+    def mixed_program(params, config, state, table, batch, *args, **kwargs):
+        prefills = (~batch.decode & (batch.slot < engine.max_slots)).any()
+        steps[bool(batch.decode.any()), bool(prefills)] += 1
+        return engine_mixed(params, config, state, table, batch, *args, **kwargs)
+
+    engine.mixed_program = mixed_program
     finals = run_engine(engine, requests, rng)
     assert len(finals) == sum(sp.n for *_, sp in requests)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+    assert steps[True, True] > 10, steps
     assert_lively([t for out in finals.values() for t in out.token_ids], 30)
     assert {out.finish_reason for out in finals.values()} >= {"length", "eos", "stop"}
-    assert_same_as_alone(config, params, requests, finals, reference="llm")
-    assert engine.stats()["free_pages"] == engine.stats()["total_pages"]
+    assert_same_as_alone(config, params, requests, finals)
+    assert stats["free_pages"] == stats["total_pages"]
 
 
 def test_a_small_page_pool_preempts_and_changes_no_output(config, params):
@@ -197,31 +220,59 @@ def test_chunked_prefill_equals_one_prefill(config, params):
     # the engine with a 16-token budget: a 100-token prompt over 7 steps, same tokens
     prompt = rng.integers(0, 64, 100).tolist()
     sp = SamplingParams(temperature=0.0, max_new_tokens=20)
-    engine = Engine(params, config, max_slots=4, max_prefill_tokens=16)
-    engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=27))
-    engine.add_request("long", prompt, sp)
-    counts, finals = [], {}
-    while engine.has_unfinished_requests():
-        outs = {o.request_id: o for o in engine.step()}
-        counts.append(len(outs.get("short").new_token_ids) if "short" in outs else 0)
-        finals |= {r: o for r, o in outs.items() if o.finished}
-    # "short" gets its first token with its prefill, then decodes a chunk of 8 between each
-    # 16-token chunk of "long" (prefill and decode take turns)
-    assert counts[:8] == [1, 8, 0, 8, 0, 8, 0, 2]
     (alone,) = generate(params, config, [prompt], sp)
     assert_lively(alone.tokens)
-    assert finals["long"].token_ids == alone.tokens
+    # "short" gets its first token with its prefill, then: in mixed steps, one token in each
+    # step that prefills a 16-token block of "long", then chunks of 8; without, a chunk of 8
+    # between each 16-token chunk of "long" (prefill and decode take turns)
+    for mixed, expected in ((True, [1] * 8 + [8]), (False, [1, 8, 0, 8, 0, 8, 0, 2])):
+        engine = Engine(params, config, max_slots=4, max_prefill_tokens=16, mixed_steps=mixed)
+        engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=27))
+        engine.add_request("long", prompt, sp)
+        counts, finals = [], {}
+        while engine.has_unfinished_requests():
+            outs = {o.request_id: o for o in engine.step()}
+            counts.append(len(outs.get("short").new_token_ids) if "short" in outs else 0)
+            finals |= {r: o for r, o in outs.items() if o.finished}
+        assert counts[: len(expected)] == expected, (mixed, counts)
+        assert finals["long"].token_ids == alone.tokens
 
 
-def test_a_random_workload_compiles_at_most_12_programs(config, params):
+def test_a_random_workload_runs_only_the_programs_warmup_lists(config, params):
+    """Compiles stay bounded: warmup lists at most 12 programs and compiles them, then 200
+    random requests (chunked prompts inside mixed steps, n = 2, stops, log-probs) run only
+    listed programs and compile nothing more."""
     rng = np.random.default_rng(4)
     requests = random_requests(config, rng, 200, text=False)
-    engine = Engine(params, config, max_slots=8, max_prefill_tokens=64)
+    engine = Engine(params, config, max_slots=8, max_prefill_tokens=64, mixed_steps=True)
+    listed = set(warmup.programs(engine))
+    assert len(listed) <= 12, sorted(listed)
+    assert len(warmup.programs(Engine(params, config, mixed_steps=True))) <= 12  # 4 + 6
+    ran = set()
+
+    def prefill_program(params, config, state, table, batch, *args, **kwargs):
+        ran.add(warmup.Program("prefill", *batch.tokens.shape))
+        return engine_prefill(params, config, state, table, batch, *args, **kwargs)
+
+    def decode_program(params, config, state, table, live, rows, stops, window, **kwargs):
+        ran.add(warmup.Program("decode", kwargs["n_rows"], window=window.shape[0]))
+        return engine_decode(params, config, state, table, live, rows, stops, window, **kwargs)
+
+    def mixed_program(params, config, state, table, batch, *args, **kwargs):
+        rows = batch.row_slot.shape[0]
+        ran.add(warmup.Program("mixed", rows, batch.tokens.shape[0] - rows))
+        return engine_mixed(params, config, state, table, batch, *args, **kwargs)
+
+    engine.prefill_program, engine.decode_program = prefill_program, decode_program
+    engine.mixed_program = mixed_program
+    assert engine.warmup() <= len(listed)
+    assert ran == listed
+    ran.clear()
     before = compile_counts()
-    run_engine(engine, requests, rng)
-    after = compile_counts()
-    compiled = sum(after[k] - before[k] for k in ("engine_prefill", "engine_decode"))
-    assert 2 <= compiled <= 12, (before, after)
+    finals = run_engine(engine, requests, rng)
+    assert compile_counts() == before
+    assert len(finals) == sum(sp.n for *_, sp in requests)
+    assert len(ran) >= 4 and ran <= listed, (sorted(ran), sorted(listed))
 
 
 def test_after_warmup_serving_compiles_nothing(config, params, caplog):

@@ -124,6 +124,38 @@ def test_prefill_goes_in_chunks_and_takes_turns_with_decode():
     assert len(s.running()) == 2
 
 
+def test_mixed_steps_decode_every_running_sequence_while_a_prompt_goes_in():
+    """With mixed steps, each step that prefills a chunk also decodes one token of every
+    running sequence (decode tokens first, the budget less them for the prompt chunks, at
+    least 16); a running sequence that cannot (speculative) makes prefill and decode chunks
+    take turns again."""
+    s = scheduler(max_prefill_tokens=40, prefill_chunk_tokens=32)
+    s.add(sequence("a", range(20), max_new_tokens=100))
+    plan = s.schedule(mixed=True)  # nothing runs yet: a prefill-only mixed step
+    assert plan.mixed and not plan.decode and [w.n for w in plan.prefill] == [20]
+    s.update(plan, [SequenceResult(plan.prefill[0].seq, [7], [], [])])
+    s.add(sequence("b", range(100), arrival=1))
+    s.add(sequence("c", range(30), arrival=2))
+    steps = []
+    for _ in range(4):
+        plan = s.schedule(mixed=True)
+        assert plan.mixed
+        steps.append(([q.request_id for q in plan.decode],
+                      [(w.seq.request_id, w.start, w.n) for w in plan.prefill]))
+        s.update(plan, [SequenceResult(q, [1], [], []) for q in plan.sampled])
+    # a budget of 40 - 1 decode token: "b" its 32-token chunk, "c" the 7 left, in turn
+    assert steps == [(["a"], [("b", 0, 32), ("c", 0, 7)]),
+                     (["a"], [("b", 32, 32), ("c", 7, 7)]),
+                     (["a"], [("b", 64, 32), ("c", 14, 7)]),
+                     (["a"], [("b", 96, 4), ("c", 21, 9)])]
+    plan = s.schedule(mixed=True)  # nothing to prefill: a decode chunk
+    assert not plan.mixed and [q.request_id for q in plan.decode] == ["a", "b", "c"]
+    assert s.mixed_shapes() == [16, 32, 64]  # up to the bucket of 8 slots + 16, or 40
+    s.add(sequence("d", range(50), arrival=3))
+    s.running()[0].sampling = Sampling(100, speculative="ngram")
+    assert [bool(s.schedule(mixed=True).decode) for _ in range(4)] == [False, True] * 2
+
+
 def test_decode_preempts_the_most_recently_admitted_sequence():
     s = scheduler(num_pages=4, decode_chunk=24)
     for i in range(3):  # 16-token prompts: a page each, all admitted
