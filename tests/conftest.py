@@ -37,6 +37,23 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep LONGEST_MODULES first
+        config.option.loadscopereorder = False
+
+
+# The modules that take longest on 2 cores (`--durations`, summed per module), longest first.
+# `make test` (--dist loadfile) hands whole modules to its workers in the collected order:
+# xdist's own order (most tests first) started the 9-test tensor-parallel module, the
+# longest, near the end, alone on one worker while the others had finished.
+LONGEST_MODULES = ("test_tensor_parallel.py", "test_structured.py", "test_loop.py",
+                   "test_engine.py", "test_speculative.py", "test_quantize.py",
+                   "test_distributed.py", "test_export.py", "test_compile_cache.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The LONGEST_MODULES first, in that order; the rest after them as collected."""
+    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @contextlib.contextmanager
