@@ -43,11 +43,14 @@ def pytest_configure(config):
 
 # The modules that take longest on 2 cores (`--durations`, summed per module), longest first.
 # `make test` (--dist loadfile) hands whole modules to its workers in the collected order:
-# xdist's own order (most tests first) started the 9-test tensor-parallel module, the
-# longest, near the end, alone on one worker while the others had finished.
-LONGEST_MODULES = ("test_tensor_parallel.py", "test_structured.py", "test_loop.py",
-                   "test_engine.py", "test_speculative.py", "test_quantize.py",
-                   "test_distributed.py", "test_export.py", "test_compile_cache.py")
+# xdist's own order (most tests first) puts a long module of few tests (tensor-parallel: 9
+# tests, one 4-device subprocess) after most others, where it can run on alone at the end.
+# The modules of many short tests come after these and fill the gaps.
+LONGEST_MODULES = (
+    "test_tensor_parallel.py", "test_engine.py", "test_speculative.py", "test_loop.py",
+    "test_families.py", "test_structured.py", "test_structured_bpe.py", "test_train.py",
+    "test_hf.py", "test_chat.py", "test_quantize.py", "test_compile_cache.py",
+    "test_hf_dirs.py", "test_export.py", "test_distributed.py")
 
 
 def pytest_collection_modifyitems(config, items):
