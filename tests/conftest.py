@@ -37,6 +37,26 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep LONGEST_MODULES first
+        config.option.loadscopereorder = False
+
+
+# The modules that take longest on 2 cores (`--durations`, summed per module), longest first.
+# `make test` (--dist loadfile) hands whole modules to its workers in the collected order:
+# xdist's own order (most tests first) puts a long module of few tests (tensor-parallel: 9
+# tests, one 4-device subprocess) after most others, where it can run on alone at the end.
+# The modules of many short tests come after these and fill the gaps.
+LONGEST_MODULES = (
+    "test_tensor_parallel.py", "test_engine.py", "test_speculative.py", "test_loop.py",
+    "test_families.py", "test_structured.py", "test_structured_bpe.py", "test_train.py",
+    "test_hf.py", "test_chat.py", "test_quantize.py", "test_compile_cache.py",
+    "test_hf_dirs.py", "test_export.py", "test_distributed.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The LONGEST_MODULES first, in that order; the rest after them as collected."""
+    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @contextlib.contextmanager
