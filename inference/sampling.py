@@ -108,8 +108,15 @@ class SamplingArrays:
         return cls.from_params([SamplingParams()] * batch, zeros, zeros, zeros, vocab_size)
 
 
-@functools.lru_cache(maxsize=16)
 def _zero_bias(batch: int, vocab_size: int) -> jax.Array:
+    """Zeros on the devices of the mesh set now (`jax.set_mesh`; an engine on a mesh runs
+    inside its own), one cached array per shape and mesh: an array placed for one mesh is
+    refused by a program on another."""
+    return _zeros_on(batch, vocab_size, jax.sharding.get_mesh())
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros_on(batch: int, vocab_size: int, mesh) -> jax.Array:
     return jnp.zeros((batch, vocab_size), jnp.float32)  # immutable: safe to share
 
 
