@@ -89,8 +89,10 @@ def test_requests_joining_at_random_steps_equal_each_request_alone(config, param
     """40 requests of random lengths and settings join at random steps, a third behind one
     shared two-page prefix (prefix hits), in a page pool that preempts, their prompts going
     in 12-token chunks inside mixed steps (decode rows and prefill chunks in one call):
-    tokens, finish reasons and log-probs equal `generate` run on each alone (with stop
-    strings: tokens and text equal `LLM.generate` of the one request)."""
+    tokens, finish reasons, log-probs and text equal the request run alone by
+    `LLM.generate` (the default engine: prefill calls and decode chunks taking turns, one
+    compiled set of programs for all 40; that path equals `generate` alone in
+    `test_prefix_caching_shares_pages_and_changes_no_output`)."""
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 64, 16).tolist()
     requests = [(r, shared + p if i % 3 == 0 else p, sp)
@@ -112,7 +114,7 @@ def test_requests_joining_at_random_steps_equal_each_request_alone(config, param
     assert steps[True, True] > 10, steps
     assert_lively([t for out in finals.values() for t in out.token_ids], 30)
     assert {out.finish_reason for out in finals.values()} >= {"length", "eos", "stop"}
-    assert_same_as_alone(config, params, requests, finals)
+    assert_same_as_alone(config, params, requests, finals, reference="llm")
     assert stats["free_pages"] == stats["total_pages"]
 
 
