@@ -96,6 +96,26 @@ def start_serve(args: list[str], port: int, env: dict | None = None):
     return proc
 
 
+def run_on_host_devices(script, n_devices: int, timeout: float) -> dict:
+    """Run the test module `script` as a program on `n_devices` CPU devices (XLA's flag
+    must be set before JAX starts, so in a subprocess that shares this session's persistent
+    compilation cache) and return the JSON its last printed line holds (asserted to exit 0,
+    with its stderr)."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(repo),
+           "XLA_FLAGS": f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={n_devices}",
+           "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    out = subprocess.run([sys.executable, str(script)], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def lively_params(config, seed=5, scale=6.0):
     """Random params with weights scaled up (x6), so greedy decoding does not just repeat one
     token and equivalence tests can fail (see shared/cases/generation.md)."""

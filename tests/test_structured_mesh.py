@@ -9,9 +9,7 @@ run as a script) computes the tokens and prints them as JSON (as tests/test_tens
 """
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,18 +26,9 @@ CHOICE = ["yes", "no", "yesno"]
 
 @pytest.fixture(scope="module")
 def results():
-    import jax
+    from conftest import run_on_host_devices
 
-    from conftest import TEST_XLA_FLAGS
-
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=2",
-           "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    out = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_on_host_devices(__file__, 2, timeout=900)
 
 
 def test_constrained_rows_on_a_mesh_equal_one_device(results):

@@ -14,8 +14,6 @@ file run as a script) computes every result and prints them as JSON; the tests c
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,19 +25,9 @@ N_DEVICES = 4
 
 @pytest.fixture(scope="module")
 def results():
-    import jax
+    from conftest import run_on_host_devices
 
-    from conftest import TEST_XLA_FLAGS
-
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={N_DEVICES}",
-           # the session's persistent compilation cache (conftest.pytest_configure)
-           "JAX_COMPILATION_CACHE_DIR": str(jax.config.jax_compilation_cache_dir or ""),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    out = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=1800)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_on_host_devices(__file__, N_DEVICES, timeout=1800)
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
