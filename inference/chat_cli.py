@@ -32,7 +32,7 @@ import threading
 import time
 
 from inference.chat import HOW_TO_SUPPLY
-from inference.sampling_flags import add_sampling_args, sampling_from_args
+from inference.sampling_flags import add_sampling_args, refusal, sampling_from_args
 from inference.llm import LLM
 from inference.load import add_model_args
 from inference.sampling_params import SamplingParams
@@ -122,8 +122,16 @@ def command(chat: Chat, line: str) -> str:
         return f"(system message {'set' if chat.system else 'cleared'})"
     if name == "/set":
         field, _, value = rest.strip().partition(" ")
-        try:  # a JSON value: 0.7, 200, null
-            chat.sampling = dataclasses.replace(chat.sampling, **{field: json.loads(value)})
+        fields = [f.name for f in dataclasses.fields(SamplingParams)]
+        if field not in fields:
+            return (f"/set: unknown field {field!r}; allowed: {', '.join(fields)} "
+                    "(/set FIELD VALUE)")
+        try:  # a JSON value: 0.7, 200, null, ["a"]; else the word itself: crop
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        try:
+            chat.sampling = dataclasses.replace(chat.sampling, **{field: parsed})
         except (TypeError, ValueError) as error:
             return f"/set {rest.strip()}: {error} (/set FIELD VALUE, a SamplingParams field)"
         return f"({field} = {value})"
@@ -146,7 +154,7 @@ def load(args) -> LLM:
                LLM.from_checkpoint(args.run_dir, None, args.dtype, args.quantize,
                                    args.chat_template))
     except (OSError, ValueError) as error:
-        raise SystemExit(f"gpt-jax chat: {error}") from None
+        raise refusal(error, "chat") from None
     if llm.chat_template is None:
         raise SystemExit(f"gpt-jax chat: {args.hf_checkpoint or args.run_dir} has no chat "
                          f"template; {HOW_TO_SUPPLY.replace('gpt-jax serve', 'gpt-jax chat')}")

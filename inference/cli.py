@@ -31,12 +31,11 @@ import numpy as np
 
 from gpt_jax.cache import cache_bytes, pages_for
 from inference import compile_cache
-from inference.errors import RequestError
 from inference.generation import generate, pack, validate
 from inference.llm import LLM, with_stop_ids
 from inference.load import add_model_args
 from inference.sampling_flags import (DEFAULT_MAX_NEW_TOKENS, add_sampling_args, ids_arg,
-                                      sampling_from_args)
+                                      refusal, sampling_from_args)
 from inference.sampling_params import SamplingParams
 from inference.steps import init_cache_rows, prefill
 
@@ -57,28 +56,6 @@ def parse_args(argv=None):
 
 
 # The flag that sets each SamplingParams field (`sampling_from_args`): errors name the flag.
-FIELD_FLAGS = {
-    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
-    "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
-    "frequency_penalty": "--frequency-penalty", "seed": "--seed",
-    "max_new_tokens": "--max-new-tokens", "stop_token_ids": "--stop-token-id", "stop": "--stop",
-    "stop_sequences": "--stop-sequence", "logprobs": "--logprobs", "n": "--n",
-    "min_tokens": "--min-tokens", "logit_bias": "--logit-bias",
-    "context_overflow": "--context-overflow", "json_schema": "--json-schema",
-    "regex": "--regex", "choice": "--choice", "json_object": "--json-object",
-}
-
-
-def refusal(error: Exception) -> SystemExit:
-    """The CLI's one-line error for `error`, in flags: `SamplingParams.top_p=2.0` is
-    `--top-p=2.0`, and a hint to set context_overflow "crop" is `--context-overflow crop`."""
-    if not isinstance(error, RequestError):
-        return SystemExit(f"gpt-jax generate: {error}")
-    setting = error.hint and FIELD_FLAGS[error.hint.field] + " {value}"  # as its flag
-    text = error.message(FIELD_FLAGS.get(error.field, error.field), setting=setting)
-    return SystemExit(f"gpt-jax generate: {text}")
-
-
 def print_stream(llm: LLM, prompts: list[str], sampling: SamplingParams, out=None) -> None:
     """Print completions (to `out`, default stdout) one after another, each as it streams;
     the text of a later completion is kept until the ones before it have finished."""

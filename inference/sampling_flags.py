@@ -5,9 +5,23 @@ from __future__ import annotations
 
 import argparse
 
+from inference.errors import RequestError
 from inference.sampling_params import CONTEXT_OVERFLOW, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 200
+# SamplingParams field -> its flag, for the errors (`refusal`): every field has one.
+FIELD_FLAGS = {
+    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty", "seed": "--seed",
+    "max_new_tokens": "--max-new-tokens", "stop_token_ids": "--stop-token-id", "stop": "--stop",
+    "stop_sequences": "--stop-sequence", "logprobs": "--logprobs", "n": "--n",
+    "min_tokens": "--min-tokens", "logit_bias": "--logit-bias",
+    "context_overflow": "--context-overflow", "json_schema": "--json-schema",
+    "regex": "--regex", "choice": "--choice", "json_object": "--json-object",
+    "speculative": "--speculative", "num_speculative_tokens": "--num-speculative-tokens",
+    "prompt_lookup_min": "--prompt-lookup-min", "prompt_lookup_max": "--prompt-lookup-max",
+}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -95,3 +109,15 @@ def sampling_from_args(args) -> SamplingParams:
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
     )
+
+
+def refusal(error: Exception, command: str = "generate") -> SystemExit:
+    """`gpt-jax COMMAND`'s one-line error for `error`, in flags: `SamplingParams.top_p=2.0` is
+    `--top-p=2.0`, another field it mentions (`max_new_tokens`) is its flag too, and a hint to
+    set context_overflow "crop" is `--context-overflow crop`."""
+    if not isinstance(error, RequestError):
+        return SystemExit(f"gpt-jax {command}: {error}")
+    setting = error.hint and FIELD_FLAGS[error.hint.field] + " {value}"  # as its flag
+    text = error.message(FIELD_FLAGS.get(error.field, error.field), FIELD_FLAGS,
+                         setting=setting)
+    return SystemExit(f"gpt-jax {command}: {text}")

@@ -215,8 +215,9 @@ def _check_constraint(sp: SamplingParams) -> None:
     given = [f for f in ("json_schema", "regex", "choice") if getattr(sp, f) is not None]
     given += ["json_object"] * sp.json_object
     if len(given) > 1:
-        raise RequestError(given[1], getattr(sp, given[1]), f"at most one constraint (got "
-                           f"{given[0]} too)", problem="{field} is given with another constraint")
+        raise RequestError(given[1], getattr(sp, given[1]),  # {name}: each front's name
+                           f"at most one constraint (got {{{given[0]}}} too)",
+                           problem="{field} is given with another constraint")
 
 
 def _as_tuple(name, value) -> tuple:

@@ -51,10 +51,10 @@ def check_request(config: GPTConfig, prompt, sampling: SamplingParams, *,
     V = config.vocab_size
     for field, what, ids in (
             ("prompt", "token id", prompt),
-            ("stop_token_ids", "stop_token_ids id", sampling.stop_token_ids),
-            ("stop_sequences", "stop_sequences id", [t for q in sampling.stop_sequences
-                                                     for t in q]),
-            ("logit_bias", "logit_bias id", [t for t, _ in sampling.logit_bias])):
+            ("stop_token_ids", "{field} id", sampling.stop_token_ids),  # {field}: each
+            ("stop_sequences", "{field} id", [t for q in sampling.stop_sequences  # front's
+                                              for t in q]),                   # name
+            ("logit_bias", "{field} id", [t for t, _ in sampling.logit_bias])):
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise RequestError(field, bad[0], f"[0, {V}) (the model's vocab_size is {V})",

@@ -316,3 +316,21 @@ def test_gpt_jax_chat_refuses_in_one_line(llama_dir, tmp_path):
         message = str(caught.value.code)
         assert message.startswith("gpt-jax chat: ") and said in message, message
         assert "\n" not in message
+
+
+def test_chat_set_names_an_unknown_field_and_takes_a_bare_word():
+    """Faults: `/set bogus 1` answered with Python's `SamplingParams.__init__() got an
+    unexpected keyword argument 'bogus'`, and `/set context_overflow error` was refused
+    (`error` is not JSON), so no text field could be set without JSON quotes."""
+    from inference.chat_cli import Chat, command
+
+    chat = Chat(llm=None, sampling=SamplingParams())
+    said = command(chat, "/set bogus 1")
+    assert said.startswith("/set: unknown field 'bogus'; allowed: temperature, ") and \
+        "context_overflow" in said and "__init__" not in said, said
+    assert command(chat, "/set context_overflow error") == "(context_overflow = error)"
+    assert command(chat, "/set top_p 0.5") == "(top_p = 0.5)"
+    assert (chat.sampling.context_overflow, chat.sampling.top_p) == ("error", 0.5)
+    said = command(chat, "/set top_p lots")
+    assert said.startswith("/set top_p lots: SamplingParams.top_p='lots' ") and \
+        chat.sampling.top_p == 0.5, said

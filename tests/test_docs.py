@@ -91,3 +91,20 @@ def test_every_benchmark_name_is_listed_in_both_readmes():
     table = (ROOT / "benchmarks" / "README.md").read_text()
     assert [n for n in names if f"`{n}`" not in listed] == []
     assert [n for n in names if f"| `{n}` |" not in table] == []
+
+
+
+def test_the_readme_s_serve_block_lists_every_serve_flag_and_nothing_else(capsys):
+    """Fault: a merge pasted two lines of the benchmarks paragraph into README's `gpt-jax
+    serve` block in place of its last flags line (--allowed-origins, --no-warmup, ...)."""
+    from inference.serve import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]  # the usage lines: every flag once
+    multihost = {"--coordinator", "--num-processes", "--process-id", "--heartbeat-timeout-s"}
+    flags = set(re.findall(r"--[a-z][a-z0-9-]*", usage)) - multihost
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(gpt-jax serve --run-dir .*?)```", text, re.S)[1]
+    assert all(line.startswith("  [") for line in block.splitlines()[1:]), block
+    assert flags <= set(re.findall(r"--[a-z][a-z0-9-]*", block)), block

@@ -80,3 +80,38 @@ def test_a_request_check_carries_its_code_request_and_hint_as_data(config):
     assert (raised.value.field, raised.value.request) == ("max_new_tokens", "big")
     assert str(raised.value).startswith("request 'big': prompt length 40 + max_new_tokens 20 "
                                         "needs 8 pages of 8 tokens, but the page pool has 6")
+
+
+def test_the_command_line_names_every_field_by_its_flag_in_generate_and_chat():
+    """Fault: `gpt-jax generate --speculative ngram --num-speculative-tokens 0` said
+    `num_speculative_tokens=0`, `--min-tokens 20 --max-new-tokens 8` said `max_new_tokens=8`
+    and `--regex a --choice b` said `got regex too`, and `gpt-jax chat --top-p 2` said
+    `SamplingParams.top_p=2.0`: names the user cannot type."""
+    import argparse
+    import dataclasses
+
+    from inference.sampling_flags import FIELD_FLAGS, add_sampling_args, refusal
+
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser)
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    assert set(FIELD_FLAGS) == {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(FIELD_FLAGS.values()) <= flags
+
+    def said(command="generate", **fields):
+        with pytest.raises(RequestError) as raised:
+            SamplingParams(**fields)
+        return refusal(raised.value, command).code
+
+    assert said(speculative="ngram", num_speculative_tokens=0) == (
+        "gpt-jax generate: --num-speculative-tokens=0 is out of range; allowed: [1, 8]")
+    assert said(prompt_lookup_min=3, prompt_lookup_max=2) == (
+        "gpt-jax generate: --prompt-lookup-min=3 is more than --prompt-lookup-max=2; "
+        "allowed: 1 <= --prompt-lookup-min <= --prompt-lookup-max")
+    assert said("chat", min_tokens=20, max_new_tokens=8) == (
+        "gpt-jax chat: --min-tokens=20 is more than --max-new-tokens=8; allowed: 0 <= "
+        "--min-tokens <= --max-new-tokens")
+    assert said(regex="a", choice=["b"]) == (
+        "gpt-jax generate: --choice is given with another constraint; allowed: at most one "
+        "constraint (got --regex too)")
+    assert refusal(ValueError("no model"), "chat").code == "gpt-jax chat: no model"

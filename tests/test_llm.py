@@ -365,9 +365,9 @@ def test_bad_logit_bias_and_min_tokens_flags_are_named(llm, monkeypatch, capsys)
             cli.parse_args(["--logit-bias", text])
         assert f"expected ID=BIAS such as 50256=-100, got {text!r}" in capsys.readouterr().err
     monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
-    with pytest.raises(SystemExit, match=r"logit_bias id 64 is outside \[0, 64\)"):
+    with pytest.raises(SystemExit, match=r"--logit-bias id 64 is outside \[0, 64\)"):
         cli.main(["--prompt", PROMPT, "--logit-bias", "64=1"])
-    with pytest.raises(SystemExit, match=r"--min-tokens=30 is more than max_new_tokens=20"):
+    with pytest.raises(SystemExit, match=r"--min-tokens=30 is more than --max-new-tokens=20"):
         cli.main(["--prompt", PROMPT, "--max-new-tokens", "20", "--min-tokens", "30"])
 
 

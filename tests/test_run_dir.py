@@ -31,3 +31,13 @@ def test_resuming_with_another_model_or_tokenizer_is_refused(corpus, tmp_path, s
         prepare_run(cfg)
     assert json.loads((run_dir / "train_config.json").read_text())[name] == \
         getattr(started, name)  # nothing recorded
+
+
+def test_a_block_longer_than_the_context_is_refused_in_flags(corpus, tmp_path):
+    """Fault: `gpt-jax train --block-size 100000` said `block_size 100000 exceeds the model's
+    max_seq_len 128`, a name the command does not have, and not what it allows."""
+    cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
+                             block_size=100000)
+    with pytest.raises(ValueError, match=r"^--block-size 100000 exceeds the model's max_seq_len "
+                                         r"(\d+); allowed: 1 to \1, or 0 for the max_seq_len$"):
+        prepare_run(cfg)

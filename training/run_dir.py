@@ -61,7 +61,9 @@ def prepare_run(cfg: TrainConfig):
         config = GPTConfig.preset(cfg.model, vocab_size=tokenizer.vocab_size)
     block = cfg.block_size or config.max_seq_len
     if block > config.max_seq_len:
-        raise ValueError(f"block_size {block} exceeds the model's max_seq_len {config.max_seq_len}")
+        raise ValueError(f"--block-size {block} exceeds the model's max_seq_len "
+                         f"{config.max_seq_len}; allowed: 1 to {config.max_seq_len}, or 0 for "
+                         "the max_seq_len")
     tokens = np.asarray(tokenizer.encode(text), np.int32)
     train_tokens, val_tokens = data.split(tokens, cfg.val_fraction)
     for name, part in (("train", train_tokens), ("val", val_tokens)):
