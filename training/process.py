@@ -49,20 +49,51 @@ def closed_pipe_is_quiet(main_fn):
     return run
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be (`sigterm_stops`): the run
+    stops the same clean way, with the shell's status for SIGTERM (143)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_stops():
+    """While the block runs (in the main thread), SIGTERM raises `Terminated` as Ctrl-C
+    raises KeyboardInterrupt, instead of ending the process on the spot with nothing said;
+    the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def interrupts_deferred():
-    """Hold SIGINT (Ctrl-C) back while the block runs, then raise the KeyboardInterrupt it
-    would have raised: a checkpoint, metrics line or plot being written is finished, never
-    left half-written (Orbax's `<step>.orbax-checkpoint-tmp-*` folder). Outside the main
-    thread (where Python runs signal handlers) it defers nothing."""
+    """Hold SIGINT (Ctrl-C) and SIGTERM back while the block runs, then raise what they
+    would have raised (KeyboardInterrupt; `Terminated` for SIGTERM under `sigterm_stops`):
+    a checkpoint, metrics line or plot being written is finished, never left half-written
+    (Orbax's `<step>.orbax-checkpoint-tmp-*` folder). Outside the main thread (where Python
+    runs signal handlers) it defers nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    hold = lambda signum, frame: caught.append(signum)  # noqa: E731
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if signal.SIGTERM in caught and previous[signal.SIGTERM] is _terminate:
+        raise Terminated
+    if signal.SIGINT in caught:
         raise KeyboardInterrupt
+    if signal.SIGTERM in caught:  # no handler of ours: what SIGTERM does without one
+        signal.raise_signal(signal.SIGTERM)

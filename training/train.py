@@ -39,7 +39,7 @@ import tyro
 from gpt_jax import checkpoint
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import param_count
-from training import distributed, report, sharding
+from training import distributed, process, report, sharding
 from training.config import TRAIN_PRESETS, TrainConfig
 from training.loop import Loop
 from training.process import closed_pipe_is_quiet, restart_with_huge_pages
@@ -247,10 +247,13 @@ def main(argv=None, own_process: bool = False):
         split_host(cfg, processes)
         distributed.start(dist)
         distributed.check_same("flags", dataclasses.asdict(cfg))
-        summary = train(cfg)
-    except KeyboardInterrupt:  # Ctrl-C: checkpoints are whole (see Loop.checkpoint)
-        print(f"\ntrain: interrupted; {resume_note(cfg)}", file=sys.stderr)
-        raise SystemExit(130) from None  # the shell's status for SIGINT
+        with process.sigterm_stops():
+            summary = train(cfg)
+    except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM: checkpoints are whole (Loop.checkpoint)
+        terminated = isinstance(stop, process.Terminated)
+        print(f"\ntrain: {'stopped by SIGTERM' if terminated else 'interrupted'}; "
+              f"{resume_note(cfg)}", file=sys.stderr)
+        raise SystemExit(143 if terminated else 130) from None  # the shell's statuses
     except distributed.RunAborted as error:  # the others may be gone: leave without them
         distributed.exit_now(f"train: {error}")
     except (ValueError, FileNotFoundError, distributed.DistributedError) as error:
