@@ -90,13 +90,14 @@ def _content(index: int, content) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _message_error(f"messages[{index}].content is a {type(content).__name__}",
+        raise _message_error(f"messages[{index}].content is of type {type(content).__name__}",
                              "a string or a list of text parts")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise _message_error(f"messages[{index}].content[{j}] is a {kind or 'bad'!s} part",
+            raise _message_error(f"messages[{index}].content[{j}] is not a text part "
+                                 f"(type {kind!r})",
                                  'text parts ({"type": "text", "text": ...}) only: this model '
                                  "takes no images or other media")
         texts.append(part["text"])

@@ -216,8 +216,8 @@ def test_messages_are_checked_and_text_parts_joined():
     assert check_messages(parts) == [{"role": "user", "content": "a\nb {x}"}]
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     for bad, said in [([], "non-empty"), ([{"role": "tool", "content": "x"}], "role 'tool'"),
-                      (image, "messages[0].content[0] is a image_url part"),
-                      ([{"role": "user", "content": 3}], "content is a int")]:
+                      (image, "messages[0].content[0] is not a text part (type 'image_url')"),
+                      ([{"role": "user", "content": 3}], "content is of type int")]:
         with pytest.raises(RequestError) as caught:
             check_messages(bad)
         assert caught.value.field == "messages" and said in str(caught.value)
