@@ -263,7 +263,7 @@ def test_default_max_new_tokens_fits_the_models_context_under_error(llm, config,
     full = PIECES.decode([5] * config.max_seq_len)  # no room left: an error, not 0 tokens
     with pytest.raises(SystemExit, match=r"^gpt-jax generate: prompt 0: prompt length 128 "
                        r"leaves no room for a new token in the model's max_seq_len 128; "
-                       r"allowed: prompt length \+ max_new_tokens 1 at most 128 \(or "
+                       r"allowed: prompt length \+ --max-new-tokens 1 at most 128 \(or "
                        r"--context-overflow crop to predict each token from the last "
                        r"max_seq_len\)$"):  # the flag, not the Python field; the prompt named
         cli.main(["--prompt", full] + error)
