@@ -124,10 +124,8 @@ def discard_corrupt(directory: Path) -> list[str]:
         except FileNotFoundError:  # removed by another process meanwhile
             continue
         except Exception as error:  # noqa: BLE001: any failure to read is a broken entry
-            warnings.warn(f"gpt-jax: the compilation cache entry {entry} is broken "
-                          f"({type(error).__name__}: {error}); removed, its program will be "
-                          "compiled again", stacklevel=2)
-            entry.unlink(missing_ok=True)
+            drop_broken(entry, "the compilation cache entry", error,
+                        "its program will be compiled again", stacklevel=2)
             entry.with_name(entry.name.removesuffix("-cache") + "-atime").unlink(missing_ok=True)
             removed.append(entry.name)
     stamp.touch()
@@ -166,3 +164,12 @@ def add_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile-cache", action="store_true",
                    help=f"compile every program instead of loading it from the cache "
                         f"(${ENV}, default ~/.cache/gpt-jax/xla)")
+
+
+def drop_broken(path: Path, what: str, error: Exception, then: str, stacklevel: int) -> None:
+    """Remove the unreadable cache file `path` with a warning naming it, the error and
+    what happens next (`then`); shared by the caches of compiled programs, exported
+    programs (`inference.exported`) and constraints (`inference.constraint_cache`)."""
+    warnings.warn(f"gpt-jax: {what} {path} is broken ({type(error).__name__}: {error}); "
+                  f"removed, {then}", stacklevel=stacklevel + 1)
+    path.unlink(missing_ok=True)

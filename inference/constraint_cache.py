@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from inference import compile_cache
+
 ENV = "GPT_JAX_CACHE"  # gpt-jax's cache directory (`inference.compile_cache`, `training.data`)
 FORMAT = "1"  # bump when `Automaton`'s arrays change meaning
 MAX_ENTRIES = 256  # the test suite's schemas over 50k tokens take 1-18 KB each
@@ -77,10 +79,8 @@ def load(key: str, vocab_size: int) -> Arrays | None:
     except OSError:  # none, or a directory this process cannot read: `store` says so
         return None
     except Exception as error:  # noqa: BLE001: any failure to read is a broken entry
-        warnings.warn(f"gpt-jax: the structured-output cache entry {path} is broken "
-                      f"({type(error).__name__}: {error}); removed, the constraint is "
-                      "compiled again", stacklevel=2)
-        path.unlink(missing_ok=True)
+        compile_cache.drop_broken(path, "the structured-output cache entry", error,
+                                  "the constraint is compiled again", stacklevel=2)
         return None
 
 

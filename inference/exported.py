@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +31,7 @@ import jax
 import numpy as np
 
 from gpt_jax.kernels import causal_attention, int8_matmul, paged_attention
+from inference import compile_cache
 from inference.batching import engine_decode, engine_prefill
 from inference.mixed import engine_mixed
 
@@ -124,10 +124,8 @@ class ExportedPrograms:
                 raise ValueError("its checksum does not match (truncated or corrupt)")
             exported = jax.export.deserialize(bytearray(data[32:]))
         except Exception as error:  # noqa: BLE001: any failure to read is a broken artifact
-            warnings.warn(f"gpt-jax: the exported program {path} is broken "
-                          f"({type(error).__name__}: {error}); removed, it will be exported "
-                          "again", stacklevel=3)
-            path.unlink(missing_ok=True)
+            compile_cache.drop_broken(path, "the exported program", error,
+                                      "it will be exported again", stacklevel=3)
             return None
         for target, register in KERNELS.items():  # before XLA loads the program
             if target.encode() in exported.mlir_module_serialized:
