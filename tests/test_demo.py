@@ -15,10 +15,10 @@ def test_demo_refuses_a_bad_budget_before_touching_the_previous_run(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text("{}")
-    with pytest.raises(SystemExit, match="demo: TrainConfig.time_budget_s must be >= 0, got -1"):
+    with pytest.raises(SystemExit, match="gpt-jax demo: TrainConfig.time_budget_s must be >= 0, got -1"):
         demo.main(["--run-dir", str(run), "--retrain", "--train-seconds", "-1"])
     # Fault: NaN passed the `< 0` check and crashed the budget's fit after training began
-    with pytest.raises(SystemExit, match=r"^demo: TrainConfig.time_budget_s must be a finite "
+    with pytest.raises(SystemExit, match=r"^gpt-jax demo: TrainConfig.time_budget_s must be a finite "
                                          r"number, got nan$"):
         demo.main(["--run-dir", str(run), "--retrain", "--train-seconds", "nan"])
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # not renamed away

@@ -90,7 +90,7 @@ def main(argv=None):
     try:  # bad input stops here, before the previous run is touched
         TrainConfig(run_dir=str(run_dir), time_budget_s=args.train_seconds)
     except ValueError as error:
-        raise SystemExit(f"demo: {error}") from None
+        raise SystemExit(f"gpt-jax demo: {error}") from None
 
     phases = {}
     tick = time.perf_counter()

@@ -34,6 +34,21 @@ def make_tokenizer(cfg: TrainConfig, text: str):
     return CharTokenizer.from_text(text)
 
 
+def check_block_size(cfg: TrainConfig) -> int:
+    """The run's tokens per sequence: `cfg.block_size`, or for 0 the model's max_seq_len
+    (the run directory's saved config.json, else the `cfg.model` preset's). Reads no
+    corpus. Raises ValueError for a block past the max_seq_len."""
+    saved = Path(cfg.run_dir) / "config.json"
+    max_seq_len = (checkpoint.load_config(cfg.run_dir) if saved.exists()
+                   else GPTConfig.preset(cfg.model)).max_seq_len
+    block = cfg.block_size or max_seq_len
+    if block > max_seq_len:
+        raise ValueError(f"--block-size {block} exceeds the model's max_seq_len "
+                         f"{max_seq_len}; allowed: 1 to {max_seq_len}, or 0 for "
+                         "the max_seq_len")
+    return block
+
+
 def prepare_run(cfg: TrainConfig):
     """`(config, tokenizer, Batches)`; a resumed run reuses its saved config and tokenizer.
 
@@ -43,6 +58,7 @@ def prepare_run(cfg: TrainConfig):
         another model, tokenizer or BPE vocabulary size than `cfg`'s.
     """
     run_dir = Path(cfg.run_dir)
+    block = check_block_size(cfg)  # before the corpus is read (and a BPE trained on it)
     text = load_corpus(cfg)
     if not text:
         raise ValueError("the corpus is empty: a corpus needs text")
@@ -59,11 +75,6 @@ def prepare_run(cfg: TrainConfig):
     else:
         tokenizer = make_tokenizer(cfg, text)
         config = GPTConfig.preset(cfg.model, vocab_size=tokenizer.vocab_size)
-    block = cfg.block_size or config.max_seq_len
-    if block > config.max_seq_len:
-        raise ValueError(f"--block-size {block} exceeds the model's max_seq_len "
-                         f"{config.max_seq_len}; allowed: 1 to {config.max_seq_len}, or 0 for "
-                         "the max_seq_len")
     tokens = np.asarray(tokenizer.encode(text), np.int32)
     train_tokens, val_tokens = data.split(tokens, cfg.val_fraction)
     for name, part in (("train", train_tokens), ("val", val_tokens)):

@@ -43,7 +43,8 @@ from training import distributed, process, report, sharding
 from training.config import TRAIN_PRESETS, TrainConfig
 from training.loop import Loop
 from training.process import closed_pipe_is_quiet, restart_with_huge_pages
-from training.run_dir import check_same_corpus, prepare_run, start_or_resume
+from training.run_dir import (check_block_size, check_same_corpus, prepare_run,
+                               start_or_resume)
 from training.step import init_state, make_optimizer, make_train_steps
 
 
@@ -132,7 +133,7 @@ def _bool_flag(info: tyro.constructors.PrimitiveTypeInfo):
 def _unchecked(cls):
     """`cls` (a frozen dataclass) without its `__post_init__` checks, for tyro to fill in:
     tyro turns a ValueError raised while it builds a class into its own error box (exit 2),
-    where the command line's errors are one `train: MESSAGE` line. `parse_args` builds
+    where the command line's errors are one `gpt-jax train: MESSAGE` line. `parse_args` builds
     `cls` itself from the values, which checks them. Help, defaults and names are
     inherited."""
     namespace = {"__post_init__": lambda self: None, "__doc__": cls.__doc__,
@@ -238,6 +239,7 @@ def main(argv=None, own_process: bool = False):
     cfg = None
     try:
         cfg, dist = parse_args(argv)
+        check_block_size(cfg)  # before any work: the corpus read, other processes joined
         if own_process and large_buffers(cfg):
             restart_with_huge_pages("training.train", sys.argv[1:] if argv is None else argv)
         processes = distributed.expected_processes(dist)
@@ -251,16 +253,16 @@ def main(argv=None, own_process: bool = False):
             summary = train(cfg)
     except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM: checkpoints are whole (Loop.checkpoint)
         terminated = isinstance(stop, process.Terminated)
-        print(f"\ntrain: {'stopped by SIGTERM' if terminated else 'interrupted'}; "
+        print(f"\ngpt-jax train: {'stopped by SIGTERM' if terminated else 'interrupted'}; "
               f"{resume_note(cfg)}", file=sys.stderr)
         raise SystemExit(143 if terminated else 130) from None  # the shell's statuses
     except distributed.RunAborted as error:  # the others may be gone: leave without them
-        distributed.exit_now(f"train: {error}")
+        distributed.exit_now(f"gpt-jax train: {error}")
     except (ValueError, FileNotFoundError, distributed.DistributedError) as error:
         # bad input: a one-line error, naming the flag (TrainConfig.max_steps: --max-steps)
         flags = re.sub(r"\bTrainConfig\.(\w+)",
                        lambda m: "--" + m.group(1).replace("_", "-"), str(error))
-        raise SystemExit(f"train: {flags}") from None
+        raise SystemExit(f"gpt-jax train: {flags}") from None
     if distributed.is_primary():
         print(json.dumps(summary, indent=2))
 
