@@ -81,7 +81,7 @@ def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
             f"{summary['steps']} of {summary['max_steps']}: setup and compiling took it "
             f"(load average {os.getloadavg()[0]:.1f}), too soon for a model worth sampling. "
             f"Run the demo again to resume it from step {summary['steps']}, or give it more "
-            f"time (make demo TRAIN_SECONDS={DEFAULT_TRAIN_SECONDS:g}; gpt-jax demo "
+            f"time (TRAIN_SECONDS={DEFAULT_TRAIN_SECONDS:g} make demo, or gpt-jax demo "
             f"--train-seconds {DEFAULT_TRAIN_SECONDS:g})")
     write_json_atomic(summary_path, summary)
     return summary
