@@ -20,9 +20,12 @@ DEFAULT_TRAIN_SECONDS = 450.0  # the Makefile's TRAIN_SECONDS too
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="gpt-jax demo")
-    parser.add_argument("--run-dir", default="runs/shakespeare-char")
-    parser.add_argument("--train-seconds", type=float, default=DEFAULT_TRAIN_SECONDS)
+    parser = argparse.ArgumentParser(prog="gpt-jax demo", description=__doc__)
+    parser.add_argument("--run-dir", default="runs/shakespeare-char",
+                        help="the run: trained once, then reused (default: %(default)s)")
+    parser.add_argument("--train-seconds", type=float, default=DEFAULT_TRAIN_SECONDS,
+                        help="time budget of the training phase; max_steps is fitted to it, "
+                             "0 = no limit (default: %(default)g)")
     parser.add_argument("--retrain", action="store_true",
                         help="train again; the old run directory is kept as RUN_DIR.old-TIME")
     parser.add_argument("--max-new-tokens", type=int, default=NEW_TOKENS,

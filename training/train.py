@@ -1,13 +1,14 @@
 """Train a GPT on a text corpus, with checkpoints, resume, evaluation and plots.
 
 Usage:
-  python -m training.train                               # shakespeare-char on the plays
-  python -m training.train --preset nanogpt-cpu --text tinyshakespeare.txt --run-dir runs/nano
-  python -m training.train --text my.txt --run-dir runs/mine --max-steps 2000 --tokenizer bpe
-  python -m training.train --run-dir runs/x              # resumes runs/x if it has checkpoints
-  python -m training.train --cpu-devices 4 --devices 4 --shard-params true
-  python -m training.train --coordinator HOST0:5000 --num-processes 2 --process-id 0   # on
-  python -m training.train --coordinator HOST0:5000 --num-processes 2 --process-id 1   # each
+  gpt-jax train                                          # shakespeare-char on the plays
+  gpt-jax train --preset nanogpt-cpu --text tinyshakespeare.txt --run-dir runs/nano
+  gpt-jax train --text my.txt --run-dir runs/mine --max-steps 2000 --tokenizer bpe
+  gpt-jax train --run-dir runs/x                         # resumes it from its checkpoints
+  gpt-jax train --cpu-devices 4 --devices 4 --shard-params true
+  gpt-jax train --coordinator HOST0:5000 --num-processes 2 --process-id 0   # on
+  gpt-jax train --coordinator HOST0:5000 --num-processes 2 --process-id 1   # each
+(`python -m training.train` is the same command.)
 
 `--preset` picks a TrainConfig preset (training/config.py) and every TrainConfig field is a
 flag overriding it, e.g. `--batch-size 64`; the resolved config is saved as
