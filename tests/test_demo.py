@@ -166,8 +166,8 @@ def test_a_run_the_budget_stopped_before_its_first_fit_is_refused_and_resumed(
     said = str(stop.value.code)
     assert said.startswith("gpt-jax demo: the 90 s budget ended the run at step 1 of 8000: "
                            "setup and compiling took it (load average ") and said.endswith(
-        "Run the demo again to resume it from step 1, or give it more time "
-        "(TRAIN_SECONDS=450 make demo, or gpt-jax demo --train-seconds 450)"), said
+        "Give it more time (TRAIN_SECONDS=450 make demo, or gpt-jax demo --train-seconds "
+        "450): the next demo resumes this run from step 1"), said
     assert "\n" not in said
     assert not (run / "summary.json").exists() and sampled == []
     demo.main(["--run-dir", str(run), "--train-seconds", "90"])  # trains on: kept, sampled

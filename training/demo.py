@@ -83,9 +83,9 @@ def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
             f"gpt-jax demo: the {train_seconds:g} s budget ended the run at step "
             f"{summary['steps']} of {summary['max_steps']}: setup and compiling took it "
             f"(load average {os.getloadavg()[0]:.1f}), too soon for a model worth sampling. "
-            f"Run the demo again to resume it from step {summary['steps']}, or give it more "
-            f"time (TRAIN_SECONDS={DEFAULT_TRAIN_SECONDS:g} make demo, or gpt-jax demo "
-            f"--train-seconds {DEFAULT_TRAIN_SECONDS:g})")
+            f"Give it more time (TRAIN_SECONDS={DEFAULT_TRAIN_SECONDS:g} make demo, or "
+            f"gpt-jax demo --train-seconds {DEFAULT_TRAIN_SECONDS:g}): the next demo resumes "
+            f"this run from step {summary['steps']}")
     write_json_atomic(summary_path, summary)
     return summary
 
