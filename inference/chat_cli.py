@@ -4,6 +4,9 @@ Usage:
   gpt-jax chat --hf-checkpoint SmolLM2-135M-Instruct
   gpt-jax chat --run-dir runs/shakespeare-char --chat-template plain.jinja --temperature 0.7
 
+A run directory has no chat template of its own: write one, e.g. a plain.jinja holding
+  {% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}assistant:
+
 Each reply is printed as it decodes. The whole conversation is the prompt of every turn,
 and one engine serves them all, so the full pages of the previous turn's prompt are found
 in its prefix cache: only the rest (the last reply, the new message) is prefilled. After
@@ -85,8 +88,9 @@ class Chat:
             dropped = (len(self.turns) - len(kept)) // 2
             print(f"gpt-jax chat: the conversation outgrew the context ({before} tokens > "
                   f"max_seq_len {limit}): dropped the oldest {dropped} exchange"
-                  f"{'s' * (dropped != 1)} ({before - after} tokens; the system message "
-                  "stays)", file=err, flush=True)
+                  f"{'s' * (dropped != 1)} ({before - after} tokens"
+                  f"{'; the system message stays' if self.system else ''})", file=err,
+                  flush=True)
             self.turns = kept
         if after > limit and self.sampling.context_overflow != "error":
             print(f"gpt-jax chat: this message makes a prompt of {after} tokens, past "

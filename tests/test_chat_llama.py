@@ -396,6 +396,12 @@ def test_chat_drops_the_oldest_exchanges_past_the_context_and_says_so(capsys):
         "gpt-jax chat: this message makes a prompt of 48 tokens, past max_seq_len 40: its "
         "first 8 tokens are cropped"]
     assert [m["content"] for m in llm.prompts[-1]] == ["sys", "d" * 45]
+    chat, err = Chat(llm, SamplingParams(context_overflow="error")), io.StringIO()
+    for message in ("a" * 20, "b" * 45):  # no system message: none said to stay; too long
+        chat.reply(message, io.StringIO(), err)  # alone under "error" (the engine refuses
+    assert err.getvalue() == (  # it; not this stand-in): no cropping said
+        "gpt-jax chat: the conversation outgrew the context (75 tokens > max_seq_len 40): "
+        "dropped the oldest 1 exchange (30 tokens)\n")
 
 
 def test_chat_times_its_first_non_empty_text(monkeypatch):
