@@ -75,7 +75,9 @@ def load_config(run_dir) -> GPTConfig:
     ValueError naming the file and what is wrong when it is not a GPTConfig's JSON."""
     path = Path(run_dir) / "config.json"
     if not path.exists():
-        raise FileNotFoundError(f"{run_dir} is not a run directory: {path} does not exist")
+        raise FileNotFoundError(f"{run_dir} is not a run directory: {path} does not exist "
+                                f"(`gpt-jax train --run-dir {run_dir}` trains one; `make "
+                                "demo` trains runs/shakespeare-char)")
     try:
         fields = json.loads(path.read_text())
     except ValueError as error:

@@ -18,7 +18,7 @@ USAGE = """usage: gpt-jax COMMAND [flags]; gpt-jax --version
 commands:
   data       download the built-in Shakespeare corpus and print its size
   train      train a model (python -m training.train)
-  generate   generate text from a trained run (python -m inference.cli)
+  generate   generate text from a trained run or a Hugging Face directory (inference.cli)
   serve      an OpenAI-compatible HTTP server on the serving engine (inference.serve)
   chat       talk with a model in the terminal through its chat template (inference.chat_cli)
   export     the whole generation program, weights inside, as one jax.export file that

@@ -4,11 +4,17 @@ Usage:
   gpt-jax chat --hf-checkpoint SmolLM2-135M-Instruct
   gpt-jax chat --run-dir runs/shakespeare-char --chat-template plain.jinja --temperature 0.7
 
+A run directory has no chat template of its own: write one, e.g. a plain.jinja holding
+  {% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}assistant:
+
 Each reply is printed as it decodes. The whole conversation is the prompt of every turn,
 and one engine serves them all, so the full pages of the previous turn's prompt are found
 in its prefix cache: only the rest (the last reply, the new message) is prefilled. After
 each reply one line says so (prompt tokens, how many came from the prefix cache, how many
 were prefilled), with the time to its first text, its length and the finish reason.
+A conversation that outgrows the model's context drops its oldest exchanges (a user message
+and its reply), the system message kept, and says so in one line on stderr, as Ollama
+truncates a chat's messages to its context and llama.cpp logs its context shift.
 
 At the `>` prompt:
   /reset         forget the conversation (the system message stays)
@@ -63,14 +69,45 @@ class Chat:
 
     def messages(self, user: str) -> list[dict]:
         """The conversation with `user` said next."""
-        system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + self.turns + [{"role": "user", "content": user}]
+        return self._with(self.turns, user)
 
-    def reply(self, user: str, out) -> str:
+    def fit_context(self, user: str, err) -> None:
+        """Drop the oldest exchanges until the prompt with `user` said next fits the
+        model's context (`drop_oldest_exchanges`), saying so on `err` in one line; and say
+        when `user` alone (with the system message) is past it, which a "crop" reply crops
+        and an "error" one refuses. Raises as `ChatTemplate.encode`."""
+        llm, limit = self.llm, self.llm.config.max_seq_len
+        length = lambda turns: len(llm.chat_template.encode(  # noqa: E731
+            llm.tokenizer, self._with(turns, user)))
+        before = length(self.turns)
+        if before <= limit:
+            return
+        kept = drop_oldest_exchanges(self.turns, length, limit)
+        after = length(kept)
+        if kept != self.turns:
+            dropped = (len(self.turns) - len(kept)) // 2
+            print(f"gpt-jax chat: the conversation outgrew the context ({before} tokens > "
+                  f"max_seq_len {limit}): dropped the oldest {dropped} exchange"
+                  f"{'s' * (dropped != 1)} ({before - after} tokens"
+                  f"{'; the system message stays' if self.system else ''})", file=err,
+                  flush=True)
+            self.turns = kept
+        if after > limit and self.sampling.context_overflow != "error":
+            print(f"gpt-jax chat: this message makes a prompt of {after} tokens, past "
+                  f"max_seq_len {limit}: its first {after - limit} tokens are cropped",
+                  file=err, flush=True)
+
+    def _with(self, turns: list[dict], user: str) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + turns + [{"role": "user", "content": user}]
+
+    def reply(self, user: str, out, err=sys.stderr) -> str:
         """Stream the reply to `user` to `out`, keep both in the conversation, and return
-        the turn's summary line. Ctrl-C (SIGINT) stops the reply at its next piece of text
-        and keeps what was said. Raises as `LLM.stream_chat` (before anything is printed:
-        the conversation is then left as it was)."""
+        the turn's summary line; first fit the conversation to the context (`fit_context`,
+        its line on `err`). Ctrl-C (SIGINT) stops the reply at its next piece of text and
+        keeps what was said. Raises as `LLM.stream_chat` (before anything is printed:
+        the conversation is then left as it was, less the exchanges dropped)."""
+        self.fit_context(user, err)
         engine = self.llm.engine(1)  # one slot, the same engine every turn
         before = engine.stats()
         deltas = self.llm.stream_chat([self.messages(user)], self.sampling, max_batch_size=1)
@@ -79,7 +116,8 @@ class Chat:
         start, first, said, done = time.monotonic(), None, "", None
         try:
             for delta in deltas:
-                first = first or time.monotonic()
+                if first is None and delta.text:  # not an empty last piece
+                    first = time.monotonic()
                 said += delta.text
                 out.write(delta.text)
                 out.flush()
@@ -92,6 +130,15 @@ class Chat:
         self.turns += [{"role": "user", "content": user},
                        {"role": "assistant", "content": said}]
         return _summary(engine.page_size, before, engine.stats(), start, first, done)
+
+
+def drop_oldest_exchanges(turns: list[dict], length, limit: int) -> list[dict]:
+    """`turns` (user, assistant, user, ...) less its oldest exchanges, a user message and
+    its reply at a time (so roles still alternate), until `length(turns)` (the prompt's
+    tokens) is at most `limit`; none left when even that is past it."""
+    while turns and length(turns) > limit:
+        turns = turns[2:]
+    return turns
 
 
 def _summary(page_size: int, before: dict, after: dict, start: float, first: float | None,

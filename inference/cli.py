@@ -1,4 +1,4 @@
-r"""Generate text from a trained run.
+r"""Generate text from a trained run or a Hugging Face directory.
 
 Usage:
   python -m inference.cli --run-dir runs/shakespeare-char --prompt "Romeo.\n" --prompt "Ham.\n"

@@ -22,6 +22,8 @@ FIELD_FLAGS = {
     "speculative": "--speculative", "num_speculative_tokens": "--num-speculative-tokens",
     "prompt_lookup_min": "--prompt-lookup-min", "prompt_lookup_max": "--prompt-lookup-max",
 }
+# The fields that only speculative decoding reads: their flags need --speculative.
+SPECULATIVE_ONLY = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -59,12 +61,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="structured output: the text is a JSON object")
     s.add_argument("--speculative", choices=["ngram"], default=None,
                    help="speculative decoding: ngram = prompt lookup (default: off)")
-    s.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="tokens drafted per step with --speculative")
-    s.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",
-                   help="shortest n-gram matched with --speculative ngram")
-    s.add_argument("--prompt-lookup-max", type=int, default=3, metavar="N",
-                   help="longest n-gram matched with --speculative ngram")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens drafted per step with --speculative (default: "
+                        f"{SamplingParams.num_speculative_tokens})")
+    s.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
+                   help="shortest n-gram matched with --speculative ngram (default: "
+                        f"{SamplingParams.prompt_lookup_min})")
+    s.add_argument("--prompt-lookup-max", type=int, default=None, metavar="N",
+                   help="longest n-gram matched with --speculative ngram (default: "
+                        f"{SamplingParams.prompt_lookup_max})")
     s.add_argument("--context-overflow", choices=CONTEXT_OVERFLOW, default="crop",
                    help="past the model's context: crop = predict each token from the last "
                         "max_seq_len tokens (nanoGPT; a longer prompt is cropped), error = "
@@ -93,8 +98,21 @@ def bias_arg(text: str) -> tuple[int, float]:
             f"expected ID=BIAS such as 50256=-100, got {text!r}") from None
 
 
+def speculative_settings(args) -> dict:
+    """The speculative-only fields the flags give, the others at SamplingParams' defaults.
+    Raises ValueError naming the first such flag given without --speculative (it would be
+    ignored)."""
+    given = {f: getattr(args, f) for f in SPECULATIVE_ONLY if getattr(args, f) is not None}
+    if given and args.speculative is None:
+        field, value = next(iter(given.items()))
+        raise ValueError(f"{FIELD_FLAGS[field]} {value} applies only to speculative decoding; "
+                         "add --speculative ngram, or leave it out")
+    return {f: given.get(f, getattr(SamplingParams, f)) for f in SPECULATIVE_ONLY}
+
+
 def sampling_from_args(args) -> SamplingParams:
-    """SamplingParams from the parsed flags. Raises ValueError for an out-of-range value."""
+    """SamplingParams from the parsed flags. Raises ValueError for an out-of-range value, or
+    a speculative-only flag without --speculative (`speculative_settings`)."""
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -106,8 +124,7 @@ def sampling_from_args(args) -> SamplingParams:
         logit_bias=args.logit_bias, context_overflow=args.context_overflow,
         json_schema=args.json_schema, regex=args.regex, choice=args.choice,
         json_object=args.json_object, speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens,
-        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+        **speculative_settings(args),
     )
 
 

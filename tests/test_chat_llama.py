@@ -337,3 +337,82 @@ def test_chat_set_names_an_unknown_field_and_takes_a_bare_word():
     said = command(chat, "/set top_p lots")
     assert said.startswith("/set top_p lots: SamplingParams.top_p='lots' ") and \
         chat.sampling.top_p == 0.5, said
+
+
+class ScriptedLLM:
+    """An LLM stand-in for `Chat`: a context of `max_seq_len` tokens, a template whose
+    prompt is one token per character of the messages' contents, and each reply's pieces
+    as given (a piece is `(text, seconds after the previous one)`, on the clock `now`)."""
+
+    def __init__(self, max_seq_len: int, pieces, now: list[float]):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(max_seq_len=max_seq_len)
+        self.tokenizer = None
+        self.chat_template = SimpleNamespace(
+            encode=lambda tokenizer, messages: [0] * sum(len(m["content"]) for m in messages))
+        self.pieces, self.now, self.prompts = pieces, now, []
+        self._engine = SimpleNamespace(page_size=16, stats=lambda: {
+            "prefix_cache_hits": 0, "prefilled_tokens": 0})
+
+    def engine(self, slots):
+        return self._engine
+
+    def stream_chat(self, conversations, sampling, max_batch_size):
+        from inference.llm import Delta, TextCompletion
+
+        self.prompts.append(conversations[0])
+        for k, (text, seconds) in enumerate(self.pieces):
+            self.now[0] += seconds
+            done = TextCompletion("", [1], "stop", 0) if k == len(self.pieces) - 1 else None
+            yield Delta(0, text, done)
+
+
+def test_chat_drops_the_oldest_exchanges_past_the_context_and_says_so(capsys):
+    """Fault: a conversation past the model's context was cropped to its last max_seq_len
+    tokens silently (its system message and template header cut off). Now whole exchanges
+    go, oldest first, the system message stays, and stderr says how many and how many
+    tokens, once; a message too long alone is said to be cropped."""
+    import io
+
+    from inference.chat_cli import Chat
+
+    llm = ScriptedLLM(40, [("0123456789", 0.0), ("", 0.0)], [0.0])
+    chat = Chat(llm, SamplingParams(), system="sys")  # 3 tokens
+    err = io.StringIO()
+    chat.reply("a" * 5, io.StringIO(), err)  # 3 + 5 + 10 = 18 tokens so far
+    chat.reply("b" * 5, io.StringIO(), err)  # 18 + 5 + 10 = 33
+    assert err.getvalue() == ""
+    chat.reply("c" * 12, io.StringIO(), err)  # 33 + 12 = 45 > 40: the first exchange goes
+    assert err.getvalue() == ("gpt-jax chat: the conversation outgrew the context (45 tokens > "
+                              "max_seq_len 40): dropped the oldest 1 exchange (15 tokens; the "
+                              "system message stays)\n")
+    assert [m["content"] for m in llm.prompts[-1]] == ["sys", "b" * 5, "0123456789", "c" * 12]
+    err = io.StringIO()
+    chat.reply("d" * 45, io.StringIO(), err)  # alone past it: every exchange goes, cropped
+    assert err.getvalue().splitlines() == [
+        "gpt-jax chat: the conversation outgrew the context (85 tokens > max_seq_len 40): "
+        "dropped the oldest 2 exchanges (37 tokens; the system message stays)",
+        "gpt-jax chat: this message makes a prompt of 48 tokens, past max_seq_len 40: its "
+        "first 8 tokens are cropped"]
+    assert [m["content"] for m in llm.prompts[-1]] == ["sys", "d" * 45]
+    chat, err = Chat(llm, SamplingParams(context_overflow="error")), io.StringIO()
+    for message in ("a" * 20, "b" * 45):  # no system message: none said to stay; too long
+        chat.reply(message, io.StringIO(), err)  # alone under "error" (the engine refuses
+    assert err.getvalue() == (  # it; not this stand-in): no cropping said
+        "gpt-jax chat: the conversation outgrew the context (75 tokens > max_seq_len 40): "
+        "dropped the oldest 1 exchange (30 tokens)\n")
+
+
+def test_chat_times_its_first_non_empty_text(monkeypatch):
+    """Fault: "first text after" was the time of the first piece, even an empty one (the
+    engine's pieces may carry no text)."""
+    import io
+
+    from inference import chat_cli
+
+    now = [0.0]
+    monkeypatch.setattr(chat_cli.time, "monotonic", lambda: now[0])
+    llm = ScriptedLLM(100, [("", 1.0), ("Hi", 2.0), ("", 0.5)], now)
+    summary = chat_cli.Chat(llm, SamplingParams()).reply("Hello", io.StringIO(), io.StringIO())
+    assert "; first text after 3.00 s;" in summary, summary

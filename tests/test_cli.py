@@ -126,3 +126,17 @@ def test_version_and_serve_help(capsys):
                     "(default: runs/shakespeare- char)", "(default: 30.0)"):
         assert default in out, default
     assert "engine_loop" not in out and "This file is the app" not in out
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_missing_run_directory_says_how_to_make_one(command, tmp_path):
+    """Fault (a new user before `make demo`): `gpt-jax generate --prompt hi` said only
+    `runs/shakespeare-char is not a run directory: .../config.json does not exist`."""
+    run = tmp_path / "none"
+    argv = {"generate": ["--prompt", "hi"], "chat": []}[command]
+    with pytest.raises(SystemExit) as raised:
+        cli.main([command, "--run-dir", str(run), *argv])
+    assert str(raised.value.code) == (
+        f"gpt-jax {command}: {run} is not a run directory: {run / 'config.json'} does not "
+        f"exist (`gpt-jax train --run-dir {run}` trains one; `make demo` trains "
+        "runs/shakespeare-char)")

@@ -15,10 +15,10 @@ def test_demo_refuses_a_bad_budget_before_touching_the_previous_run(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text("{}")
-    with pytest.raises(SystemExit, match="demo: TrainConfig.time_budget_s must be >= 0, got -1"):
+    with pytest.raises(SystemExit, match="gpt-jax demo: TrainConfig.time_budget_s must be >= 0, got -1"):
         demo.main(["--run-dir", str(run), "--retrain", "--train-seconds", "-1"])
     # Fault: NaN passed the `< 0` check and crashed the budget's fit after training began
-    with pytest.raises(SystemExit, match=r"^demo: TrainConfig.time_budget_s must be a finite "
+    with pytest.raises(SystemExit, match=r"^gpt-jax demo: TrainConfig.time_budget_s must be a finite "
                                          r"number, got nan$"):
         demo.main(["--run-dir", str(run), "--retrain", "--train-seconds", "nan"])
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # not renamed away
@@ -131,11 +131,51 @@ def test_the_demo_ends_with_how_the_budget_changed_its_step_count(tmp_path, monk
     demo.main(["--run-dir", str(run)])
     assert capsys.readouterr().out.splitlines()[-1].endswith(
         "; stopped at step 19990 of 20000 (the steps got slower than the last fit expected)")
-    (run / "summary.json").write_text(json.dumps({**summary, "steps": 1, "budget_fits": []}))
-    demo.main(["--run-dir", str(run)])  # a budget spent before the fit (seen under load 16)
+    (run / "summary.json").write_text(json.dumps({**summary, "steps": 60, "budget_fits": []}))
+    demo.main(["--run-dir", str(run)])  # fitted without a change, then slower
     assert capsys.readouterr().out.splitlines()[-1] == (
-        "time budget: stopped at step 1 of 20000 (setup and compiling left too little of it "
-        "to fit max_steps)")
+        "time budget: stopped at step 60 of 20000 (the steps got slower than the last fit "
+        "expected)")
     (run / "summary.json").write_text(json.dumps({**summary, "budget_fits": []}))
     demo.main(["--run-dir", str(run)])
     assert capsys.readouterr().out.splitlines()[-1].startswith("phases: ")
+
+
+def test_a_run_the_budget_stopped_before_its_first_fit_is_refused_and_resumed(
+        tmp_path, monkeypatch, capsys):
+    """Fault: a 90 s demo under load 16 stopped at step 1 (setup and compiling took the
+    budget), sampled its untrained model, and wrote summary.json, so every later `make
+    demo` reused that run ("reusing the trained model"). Now it stops in one line saying
+    why and how to go on, writes no summary (the next demo resumes the run), and a
+    summary.json of such a run written before is not reused."""
+    import inference.cli
+    from training import demo
+    from training import train as train_module
+
+    sampled, trains = [], []
+    steps = iter([1, 8000, 8000])
+    monkeypatch.setattr(demo, "data_main", lambda argv: None)
+    monkeypatch.setattr(inference.cli, "main", sampled.append)
+    monkeypatch.setattr(train_module, "split_host", lambda cfg: None)
+    monkeypatch.setattr(train_module, "train", lambda cfg, started: trains.append(cfg) or {
+        "steps": next(steps), "max_steps": 8000, "tokens_per_s": 1.0, "train_loss": 1.0,
+        "val_loss": 1.0})
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--run-dir", str(run), "--train-seconds", "90"])
+    said = str(stop.value.code)
+    assert said.startswith("gpt-jax demo: the 90 s budget ended the run at step 1 of 8000: "
+                           "setup and compiling took it (load average ") and said.endswith(
+        "Give it more time (TRAIN_SECONDS=450 make demo, or gpt-jax demo --train-seconds "
+        "450): the next demo resumes this run from step 1"), said
+    assert "\n" not in said
+    assert not (run / "summary.json").exists() and sampled == []
+    demo.main(["--run-dir", str(run), "--train-seconds", "90"])  # trains on: kept, sampled
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8000 and len(sampled) == 1
+    (run / "summary.json").write_text(json.dumps(  # as the fault left it
+        {"steps": 1, "max_steps": 8000, "tokens_per_s": 1.0, "train_loss": 4.0,
+         "val_loss": 4.0}))
+    demo.main(["--run-dir", str(run)])
+    assert f"{run / 'summary.json'} is from a run its budget stopped at step 1: training " \
+           "resumes it\n" in capsys.readouterr().out
+    assert len(trains) == 3 and len(sampled) == 2

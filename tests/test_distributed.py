@@ -208,7 +208,7 @@ def test_sigkill_of_one_process_stops_the_other_and_both_resume_equal(runs):
     # until JAX's coordination service declares process 1 dead (the heartbeat timeout):
     # then the barrier raises (our message again), unless JAX's own error poller ends the
     # process first with its message; both were seen.
-    ours = "train: process 0 of 2 stopped at step" in err and "Start every process again " \
+    ours = "gpt-jax train: process 0 of 2 stopped at step" in err and "Start every process again " \
         "with the same command: the run resumes from the last complete checkpoint in" in err
     jax_own = "Terminating process because the JAX distributed service detected fatal " \
         "errors. This most likely indicates that another task died" in err
@@ -259,7 +259,7 @@ def test_processes_with_different_flags_stop_with_the_difference(tmp_path, reque
     wait_all(procs, timeout=120)
     for i, p in enumerate(procs):
         assert p.popen.returncode == 1, p.stderr()[-3000:]
-        assert "train: the 2 processes disagree on the flags: process 1 has " \
+        assert "gpt-jax train: the 2 processes disagree on the flags: process 1 has " \
                "learning_rate=0.02 (process 0: 0.01). Start every process with the same " \
                "flags and files; only --process-id differs" in p.stderr(), p.stderr()[-3000:]
     assert not (tmp_path / "run").exists()  # refused before anything was written
@@ -278,15 +278,15 @@ def no_joining(monkeypatch):
 
 @pytest.mark.parametrize("flags, message", [
     (["--num-processes", "3", "--process-id", "0", "--coordinator", "127.0.0.1:9"],
-     r"^train: batch_size 8 must be divisible by the 3 processes \(each feeds "
+     r"^gpt-jax train: batch_size 8 must be divisible by the 3 processes \(each feeds "
      r"batch_size / processes rows\)$"),
     (["--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:9"],
-     r"^train: --process-id must be in \[0, 2\) \(0 .. --num-processes - 1\), got 2$"),
-    (["--num-processes", "0"], r"^train: --num-processes must be >= 1, got 0$"),
+     r"^gpt-jax train: --process-id must be in \[0, 2\) \(0 .. --num-processes - 1\), got 2$"),
+    (["--num-processes", "0"], r"^gpt-jax train: --num-processes must be >= 1, got 0$"),
     (["--coordinator", "127.0.0.1"],
-     r"^train: --coordinator must be HOST:PORT with a port in \[1, 65535\], got '127.0.0.1'$"),
+     r"^gpt-jax train: --coordinator must be HOST:PORT with a port in \[1, 65535\], got '127.0.0.1'$"),
     (["--distributed", "off", "--num-processes", "2"],
-     r"^train: --distributed off contradicts --coordinator/--num-processes/--process-id$"),
+     r"^gpt-jax train: --distributed off contradicts --coordinator/--num-processes/--process-id$"),
 ])
 def test_bad_launch_flags_are_refused_before_joining(no_joining, flags, message):
     with pytest.raises(SystemExit, match=message):
@@ -296,7 +296,7 @@ def test_bad_launch_flags_are_refused_before_joining(no_joining, flags, message)
 def test_a_coordinator_that_never_answers_is_a_bounded_clear_error(no_joining):
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
     tick = time.monotonic()
-    with pytest.raises(SystemExit, match=rf"^train: no coordinator answered at {address} "
+    with pytest.raises(SystemExit, match=rf"^gpt-jax train: no coordinator answered at {address} "
                                          r"within 1 s \(Connection refused\): start process 0 "
                                          r"with the same --coordinator"):
         T.main(["--preset", "tiny", "--coordinator", address, "--num-processes", "2",
@@ -309,7 +309,7 @@ def test_a_coordinator_port_in_use_is_refused_before_joining(no_joining, monkeyp
     with taken_port() as port:
         address = f"127.0.0.1:{port}"
         monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", address)
-        with pytest.raises(SystemExit, match=rf"^train: the coordinator cannot listen on "
+        with pytest.raises(SystemExit, match=rf"^gpt-jax train: the coordinator cannot listen on "
                                              rf"{address}: the port is in use on this host"):
             T.main(["--preset", "tiny", "--coordinator", address, "--num-processes", "2",
                     "--process-id", "0"])

@@ -115,3 +115,23 @@ def test_the_command_line_names_every_field_by_its_flag_in_generate_and_chat():
         "gpt-jax generate: --choice is given with another constraint; allowed: at most one "
         "constraint (got --regex too)")
     assert refusal(ValueError("no model"), "chat").code == "gpt-jax chat: no model"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_speculative_only_flag_without_speculative_is_refused_naming_it(command):
+    """Fault: `--prompt-lookup-min 2` (or `--prompt-lookup-max`, `--num-speculative-tokens`)
+    without `--speculative` was ignored silently. Refused before loading (no such model)."""
+    from inference import chat_cli, cli
+
+    main = {"generate": cli.main, "chat": chat_cli.main}[command]
+    for flag in ("--prompt-lookup-min", "--prompt-lookup-max", "--num-speculative-tokens"):
+        with pytest.raises(SystemExit) as raised:
+            main(["--run-dir", "/nonexistent", flag, "2"])
+        assert str(raised.value.code) == (
+            f"gpt-jax {command}: {flag} 2 applies only to speculative decoding; add "
+            "--speculative ngram, or leave it out")
+    sampling = cli.sampling_from_args(cli.parse_args(["--speculative", "ngram",
+                                                      "--prompt-lookup-min", "2"]))
+    assert (sampling.prompt_lookup_min, sampling.prompt_lookup_max,
+            sampling.num_speculative_tokens) == (2, SamplingParams.prompt_lookup_max,
+                                                 SamplingParams.num_speculative_tokens)

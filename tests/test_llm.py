@@ -196,8 +196,7 @@ EVERY_FLAG = ["--temperature", "0.7", "--top-k", "9", "--top-p", "0.9", "--min-p
               "--stop-token-id", "7", "--stop-token-id", "8", "--stop", "zz\\n",
               "--stop-sequence", "1,2,3", "--logprobs", "2", "--n", "2", "--min-tokens", "3",
               "--logit-bias", "9=-100", "--logit-bias", "4=2.5", "--context-overflow", "error",
-              "--regex", "[a-z]+", "--num-speculative-tokens", "2", "--prompt-lookup-min", "2",
-              "--prompt-lookup-max", "4"]  # one constraint per request: the other three below
+              "--regex", "[a-z]+"]  # one constraint per request: the other three below
 
 
 def test_every_sampling_field_is_a_flag():
@@ -206,12 +205,19 @@ def test_every_sampling_field_is_a_flag():
     unset = [f.name for f in dataclasses.fields(SamplingParams)
              if getattr(sp, f.name) == getattr(default, f.name)]
     # one constraint at a time, and none with speculative decoding: those apart below
-    assert unset == ["speculative", "json_schema", "choice", "json_object"]
+    assert unset == ["speculative", "num_speculative_tokens", "prompt_lookup_min",
+                     "prompt_lookup_max", "json_schema", "choice", "json_object"]
     for flags, field, value in ((["--json-schema", '{"type": "integer"}'], "json_schema",
                                  '{"type": "integer"}'),
                                 (["--choice", "a", "--choice", "b"], "choice", ("a", "b")),
                                 (["--json-object"], "json_object", True),
-                                (["--speculative", "ngram"], "speculative", "ngram")):
+                                (["--speculative", "ngram"], "speculative", "ngram"),
+                                (["--speculative", "ngram", "--num-speculative-tokens", "2"],
+                                 "num_speculative_tokens", 2),
+                                (["--speculative", "ngram", "--prompt-lookup-min", "2"],
+                                 "prompt_lookup_min", 2),
+                                (["--speculative", "ngram", "--prompt-lookup-max", "4"],
+                                 "prompt_lookup_max", 4)):
         assert getattr(cli.sampling_from_args(cli.parse_args(flags)), field) == value
     assert sp.stop == ("zz\n",) and sp.stop_sequences == ((1, 2, 3),)
     assert sp.stop_token_ids == (7, 8)

@@ -133,7 +133,7 @@ def test_a_signal_mid_checkpoint_exits_in_one_line_and_leaves_whole_files(
     assert "Traceback" not in stderr, stderr[-3000:]
     last = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
     assert stderr.rstrip().splitlines()[-1] == (
-        f"train: {said}; the same command resumes from the checkpoint at step {last} "
+        f"gpt-jax train: {said}; the same command resumes from the checkpoint at step {last} "
         f"in {run_dir}")
     left = [p for p in run_dir.rglob("*") if "tmp" in p.name]
     assert left == [] and all(p.name.isdigit() for p in ckpts.iterdir())
@@ -212,10 +212,34 @@ def test_help_into_a_closed_pipe_ends_without_a_traceback(command):
 
 
 def test_command_line_input_errors_are_one_line():
-    with pytest.raises(SystemExit, match=r"^train: --grad-accum must be > 0, got 0$"):
+    with pytest.raises(SystemExit, match=r"^gpt-jax train: --grad-accum must be > 0, got 0$"):
         T.main(["--preset", "tiny", "--grad-accum", "0"])
-    with pytest.raises(SystemExit, match=r"^train: --max-steps must be > 0, got -1$"):
+    with pytest.raises(SystemExit, match=r"^gpt-jax train: --max-steps must be > 0, got -1$"):
         T.main(["--preset", "tiny", "--max-steps", "-1"])
+
+
+def test_a_block_past_the_context_is_refused_before_the_corpus_is_read(tmp_path, monkeypatch):
+    """Fault (a new user): `--block-size` past the model's max_seq_len was refused only
+    after the corpus was read (and a BPE trained on it). Here no corpus file exists and
+    reading it fails the test."""
+    from training import run_dir
+
+    def read(cfg):
+        raise AssertionError("the corpus was read")
+
+    monkeypatch.setattr(run_dir, "load_corpus", read)
+    limit = GPTConfig.preset("tiny").max_seq_len
+    said = (f"--block-size {limit + 1} exceeds the model's max_seq_len {limit}; allowed: 1 "
+            f"to {limit}, or 0 for the max_seq_len")
+    argv = ["--preset", "tiny", "--block-size", str(limit + 1), "--text",
+            str(tmp_path / "none.txt"), "--run-dir", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as raised:
+        T.main(argv)
+    assert raised.value.code == f"gpt-jax train: {said}"
+    with pytest.raises(ValueError) as raised:  # train(cfg) from Python alike
+        T.train(T.config_from_args(argv))
+    assert str(raised.value) == said
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("cpu_devices, cores, xla_flags, expected", [

@@ -16,12 +16,16 @@ from training.data import main as data_main
 
 PROMPTS = ["Romeo.\n", "Juliet.\n", "Ham.\n", "MACBETH.\n"]  # as the plays mark speakers
 NEW_TOKENS = 500  # characters per speaker, as nanoGPT's sample.py writes
+DEFAULT_TRAIN_SECONDS = 450.0  # the Makefile's TRAIN_SECONDS too
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="gpt-jax demo")
-    parser.add_argument("--run-dir", default="runs/shakespeare-char")
-    parser.add_argument("--train-seconds", type=float, default=450.0)
+    parser = argparse.ArgumentParser(prog="gpt-jax demo", description=__doc__)
+    parser.add_argument("--run-dir", default="runs/shakespeare-char",
+                        help="the run: trained once, then reused (default: %(default)s)")
+    parser.add_argument("--train-seconds", type=float, default=DEFAULT_TRAIN_SECONDS,
+                        help="time budget of the training phase; max_steps is fitted to it, "
+                             "0 = no limit (default: %(default)g)")
     parser.add_argument("--retrain", action="store_true",
                         help="train again; the old run directory is kept as RUN_DIR.old-TIME")
     parser.add_argument("--max-new-tokens", type=int, default=NEW_TOKENS,
@@ -30,9 +34,21 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+def too_short(summary: dict) -> bool:
+    """Whether the budget stopped the run before its first fit to the budget (FIT_STEPS
+    steps, `training.loop`) and before its schedule's end: setup and compiling took the
+    budget (a 90 s demo under load 16 stopped at step 1), and the model is untrained."""
+    from training.loop import FIT_STEPS
+
+    return summary["steps"] < min(FIT_STEPS, summary.get("max_steps", summary["steps"]))
+
+
 def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
     """The run's summary: trained now (the old run kept aside first with `retrain`), or read
-    back when the run finished before (metrics.jsonl's last line if it trained further)."""
+    back when the run finished before (metrics.jsonl's last line if it trained further).
+    A run stopped `too_short` is not the demo's model: its summary is not written (and one
+    written before this check is not reused), so the next demo resumes it. Raises
+    SystemExit saying so."""
     if retrain and run_dir.exists():
         kept = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         os.rename(run_dir, kept)
@@ -48,7 +64,10 @@ def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
             print(f"{summary_path} is from step {summary['steps']}, but the run has trained "
                   f"to step {last['step']} since: figures from metrics.jsonl's last line")
             summary = {**last, "steps": last["step"]}
-        return summary
+        if not too_short(summary):
+            return summary
+        print(f"{summary_path} is from a run its budget stopped at step {summary['steps']}: "
+              "training resumes it")
     started = time.perf_counter()  # the budget covers the train phase, imports included
     from gpt_jax.checkpoint import write_json_atomic
     from training.train import base_config, split_host, train
@@ -59,6 +78,14 @@ def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
                               time_budget_s=train_seconds)
     split_host(cfg)
     summary = train(cfg, started=started)
+    if too_short(summary):
+        raise SystemExit(
+            f"gpt-jax demo: the {train_seconds:g} s budget ended the run at step "
+            f"{summary['steps']} of {summary['max_steps']}: setup and compiling took it "
+            f"(load average {os.getloadavg()[0]:.1f}), too soon for a model worth sampling. "
+            f"Give it more time (TRAIN_SECONDS={DEFAULT_TRAIN_SECONDS:g} make demo, or "
+            f"gpt-jax demo --train-seconds {DEFAULT_TRAIN_SECONDS:g}): the next demo resumes "
+            f"this run from step {summary['steps']}")
     write_json_atomic(summary_path, summary)
     return summary
 
@@ -74,10 +101,9 @@ def budget_line(summary: dict) -> str | None:
             else "lowered: the steps were slower than the preset's"
         notes.append(f"max_steps {fit['from']} -> {fit['to']} at step {fit['step']} "
                      f"({why}, {fit['ms_per_step']:.1f} ms/step measured)")
-    if summary.get("max_steps", summary["steps"]) > summary["steps"]:
-        why = "the steps got slower than the last fit expected" if notes else \
-            "setup and compiling left too little of it to fit max_steps"
-        notes.append(f"stopped at step {summary['steps']} of {summary['max_steps']} ({why})")
+    if summary.get("max_steps", summary["steps"]) > summary["steps"]:  # past the first fit
+        notes.append(f"stopped at step {summary['steps']} of {summary['max_steps']} (the "  # (a
+                     "steps got slower than the last fit expected)")  # run `too_short` is not kept)
     if not notes:
         return None
     return "time budget: " + "; ".join(notes)
@@ -90,7 +116,7 @@ def main(argv=None):
     try:  # bad input stops here, before the previous run is touched
         TrainConfig(run_dir=str(run_dir), time_budget_s=args.train_seconds)
     except ValueError as error:
-        raise SystemExit(f"demo: {error}") from None
+        raise SystemExit(f"gpt-jax demo: {error}") from None
 
     phases = {}
     tick = time.perf_counter()

@@ -34,6 +34,36 @@ def make_tokenizer(cfg: TrainConfig, text: str):
     return CharTokenizer.from_text(text)
 
 
+def check_same_run(cfg: TrainConfig) -> None:
+    """Raises ValueError when the started run in `cfg.run_dir` (its train_config.json) has
+    another model, tokenizer or BPE vocabulary size than `cfg`: what its saved config and
+    tokenizer are made of."""
+    run_dir = Path(cfg.run_dir)
+    saved = run_dir / "train_config.json"
+    was = json.loads(saved.read_text()) if saved.exists() else {}
+    fixed = ("model", "tokenizer") + (("bpe_vocab_size",) if cfg.tokenizer == "bpe" else ())
+    for name in fixed:
+        if name in was and was[name] != getattr(cfg, name):
+            raise ValueError(f"{run_dir} holds a run with {name} {was[name]!r}; it cannot "
+                             f"resume with {name} {getattr(cfg, name)!r} (start a new "
+                             "--run-dir for that)")
+
+
+def check_block_size(cfg: TrainConfig) -> int:
+    """The run's tokens per sequence: `cfg.block_size`, or for 0 the model's max_seq_len
+    (the run directory's saved config.json, else the `cfg.model` preset's). Reads no
+    corpus. Raises ValueError for a block past the max_seq_len."""
+    saved = Path(cfg.run_dir) / "config.json"
+    max_seq_len = (checkpoint.load_config(cfg.run_dir) if saved.exists()
+                   else GPTConfig.preset(cfg.model)).max_seq_len
+    block = cfg.block_size or max_seq_len
+    if block > max_seq_len:
+        raise ValueError(f"--block-size {block} exceeds the model's max_seq_len "
+                         f"{max_seq_len}; allowed: 1 to {max_seq_len}, or 0 for "
+                         "the max_seq_len")
+    return block
+
+
 def prepare_run(cfg: TrainConfig):
     """`(config, tokenizer, Batches)`; a resumed run reuses its saved config and tokenizer.
 
@@ -43,27 +73,18 @@ def prepare_run(cfg: TrainConfig):
         another model, tokenizer or BPE vocabulary size than `cfg`'s.
     """
     run_dir = Path(cfg.run_dir)
+    resumed = (run_dir / "config.json").exists()
+    if resumed:
+        check_same_run(cfg)
+    block = check_block_size(cfg)  # before the corpus is read (and a BPE trained on it)
     text = load_corpus(cfg)
     if not text:
         raise ValueError("the corpus is empty: a corpus needs text")
-    if (run_dir / "config.json").exists():
-        saved = run_dir / "train_config.json"
-        was = json.loads(saved.read_text()) if saved.exists() else {}
-        fixed = ("model", "tokenizer") + (("bpe_vocab_size",) if cfg.tokenizer == "bpe" else ())
-        for name in fixed:  # what the saved config and tokenizer are made of
-            if name in was and was[name] != getattr(cfg, name):
-                raise ValueError(f"{run_dir} holds a run with {name} {was[name]!r}; it cannot "
-                                 f"resume with {name} {getattr(cfg, name)!r} (start a new "
-                                 "--run-dir for that)")
+    if resumed:
         config, tokenizer = checkpoint.load_config(run_dir), checkpoint.load_tokenizer(run_dir)
     else:
         tokenizer = make_tokenizer(cfg, text)
         config = GPTConfig.preset(cfg.model, vocab_size=tokenizer.vocab_size)
-    block = cfg.block_size or config.max_seq_len
-    if block > config.max_seq_len:
-        raise ValueError(f"--block-size {block} exceeds the model's max_seq_len "
-                         f"{config.max_seq_len}; allowed: 1 to {config.max_seq_len}, or 0 for "
-                         "the max_seq_len")
     tokens = np.asarray(tokenizer.encode(text), np.int32)
     train_tokens, val_tokens = data.split(tokens, cfg.val_fraction)
     for name, part in (("train", train_tokens), ("val", val_tokens)):

@@ -1,13 +1,14 @@
 """Train a GPT on a text corpus, with checkpoints, resume, evaluation and plots.
 
 Usage:
-  python -m training.train                               # shakespeare-char on the plays
-  python -m training.train --preset nanogpt-cpu --text tinyshakespeare.txt --run-dir runs/nano
-  python -m training.train --text my.txt --run-dir runs/mine --max-steps 2000 --tokenizer bpe
-  python -m training.train --run-dir runs/x              # resumes runs/x if it has checkpoints
-  python -m training.train --cpu-devices 4 --devices 4 --shard-params true
-  python -m training.train --coordinator HOST0:5000 --num-processes 2 --process-id 0   # on
-  python -m training.train --coordinator HOST0:5000 --num-processes 2 --process-id 1   # each
+  gpt-jax train                                          # shakespeare-char on the plays
+  gpt-jax train --preset nanogpt-cpu --text tinyshakespeare.txt --run-dir runs/nano
+  gpt-jax train --text my.txt --run-dir runs/mine --max-steps 2000 --tokenizer bpe
+  gpt-jax train --run-dir runs/x                         # resumes it from its checkpoints
+  gpt-jax train --cpu-devices 4 --devices 4 --shard-params true
+  gpt-jax train --coordinator HOST0:5000 --num-processes 2 --process-id 0   # on
+  gpt-jax train --coordinator HOST0:5000 --num-processes 2 --process-id 1   # each
+(`python -m training.train` is the same command.)
 
 `--preset` picks a TrainConfig preset (training/config.py) and every TrainConfig field is a
 flag overriding it, e.g. `--batch-size 64`; the resolved config is saved as
@@ -43,7 +44,8 @@ from training import distributed, process, report, sharding
 from training.config import TRAIN_PRESETS, TrainConfig
 from training.loop import Loop
 from training.process import closed_pipe_is_quiet, restart_with_huge_pages
-from training.run_dir import check_same_corpus, prepare_run, start_or_resume
+from training.run_dir import (check_block_size, check_same_corpus, prepare_run,
+                               start_or_resume)
 from training.step import init_state, make_optimizer, make_train_steps
 
 
@@ -132,7 +134,7 @@ def _bool_flag(info: tyro.constructors.PrimitiveTypeInfo):
 def _unchecked(cls):
     """`cls` (a frozen dataclass) without its `__post_init__` checks, for tyro to fill in:
     tyro turns a ValueError raised while it builds a class into its own error box (exit 2),
-    where the command line's errors are one `train: MESSAGE` line. `parse_args` builds
+    where the command line's errors are one `gpt-jax train: MESSAGE` line. `parse_args` builds
     `cls` itself from the values, which checks them. Help, defaults and names are
     inherited."""
     namespace = {"__post_init__": lambda self: None, "__doc__": cls.__doc__,
@@ -238,6 +240,7 @@ def main(argv=None, own_process: bool = False):
     cfg = None
     try:
         cfg, dist = parse_args(argv)
+        check_block_size(cfg)  # before any work: the corpus read, other processes joined
         if own_process and large_buffers(cfg):
             restart_with_huge_pages("training.train", sys.argv[1:] if argv is None else argv)
         processes = distributed.expected_processes(dist)
@@ -251,16 +254,16 @@ def main(argv=None, own_process: bool = False):
             summary = train(cfg)
     except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM: checkpoints are whole (Loop.checkpoint)
         terminated = isinstance(stop, process.Terminated)
-        print(f"\ntrain: {'stopped by SIGTERM' if terminated else 'interrupted'}; "
+        print(f"\ngpt-jax train: {'stopped by SIGTERM' if terminated else 'interrupted'}; "
               f"{resume_note(cfg)}", file=sys.stderr)
         raise SystemExit(143 if terminated else 130) from None  # the shell's statuses
     except distributed.RunAborted as error:  # the others may be gone: leave without them
-        distributed.exit_now(f"train: {error}")
+        distributed.exit_now(f"gpt-jax train: {error}")
     except (ValueError, FileNotFoundError, distributed.DistributedError) as error:
         # bad input: a one-line error, naming the flag (TrainConfig.max_steps: --max-steps)
         flags = re.sub(r"\bTrainConfig\.(\w+)",
                        lambda m: "--" + m.group(1).replace("_", "-"), str(error))
-        raise SystemExit(f"train: {flags}") from None
+        raise SystemExit(f"gpt-jax train: {flags}") from None
     if distributed.is_primary():
         print(json.dumps(summary, indent=2))
 
