@@ -102,11 +102,12 @@ class BandwidthProbe:
         return max(rates)
 
     def spread(self) -> dict:
-        """GB/s of the reads: per kernel its best, median and worst, the numpy kernel's thread count, and the
-        best over both (`bandwidth_GBs`), rounded to 0.1."""
+        """GB/s of the reads, rounded to 0.1: the best over both kernels (`bandwidth_GBs`),
+        the numpy kernel's thread count, and per kernel its best, median and worst."""
         out = {"bandwidth_GBs": round(self.best_gbs(), 1), "n_threads": self.threads}
         for kernel, rates in self.reads.items():
-            out[kernel] = {"best": round(max(rates), 1), "median": round(float(np.median(rates)), 1),
+            out[kernel] = {"best": round(max(rates), 1),
+                           "median": round(float(np.median(rates)), 1),
                            "worst": round(min(rates), 1), "reads": len(rates)}
         return out
 

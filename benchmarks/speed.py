@@ -217,6 +217,9 @@ def naive_step_seconds(params, config, batch, new_tokens) -> float:
 
 
 def throughput(args) -> None:
+    if 1 in args.batches and min(args.new_tokens) < 2:  # before any work
+        raise SystemExit(f"--new-tokens must be at least 2 with batch 1 (its decode step is "
+                         f"timed), got {min(args.new_tokens)}")
     if args.hf:  # --no-hf needs no torch
         import torch
 
