@@ -43,7 +43,7 @@ from inference.steps import cached_model, init_cache_rows
 from inference.naive import naive_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bandwidth import BandwidthProbe  # noqa: E402
+from bandwidth import BANDWIDTH_BYTES, BandwidthProbe  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT_LEN = 64
@@ -158,21 +158,35 @@ def bound_step_seconds(params, config, new_tokens: int, bandwidth_gbs: float) ->
 
 
 def roofline_columns(params, config, new_tokens: int, probe: BandwidthProbe,
-                     generate_s: float, first_token_s: float) -> dict:
-    """A batch-1 row's memory-bound columns, from medians of the same alternated rounds:
-    the bound at the probe's best read (`bound_ms`, `bandwidth_GBs`, the reads' spread);
-    `x_bound`, the bound over the whole call's time per new token (prefill and first token
-    included: a lower figure than the step's); and the roofline benchmark's own measure,
-    the decode step alone: `decode_ms`, `(generate_s - first_token_s) / (new_tokens - 1)`
-    (a call of 1 new token runs the same prefill and first token, no decode step), and
-    `x_bound_decode`. Raises ValueError for `new_tokens` below 2 (no decode step)."""
+                     times: dict[str, list[float]]) -> dict:
+    """A batch-1 row's memory-bound columns from the seconds of the same alternated rounds
+    (`times`: "gpt-jax", the `new_tokens` call; "first token", a 1-token call; "bandwidth",
+    the probe's read). From the medians and the probe's best read (`bound_ms`,
+    `bandwidth_GBs`, the reads' spread): `x_bound`, the bound over the whole call's time
+    per new token (prefill and first token included: a lower figure than the step's), and
+    the roofline benchmark's own measure, the decode step alone: `decode_ms`, (call - 1-token
+    call) / (new_tokens - 1) (the 1-token call runs the same prefill and first token, no
+    decode step), and `x_bound_decode`. And per round, `x_bound_decode_rounds`: that
+    round's decode step against the bound at that round's read (pairs timed moments apart,
+    the steadier figure under load). Raises ValueError for `new_tokens` below 2."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 to time a decode step, got {new_tokens}")
+
+    def decode_s(call_s, first_s):
+        return (call_s - first_s) / (new_tokens - 1)
+
+    def bound_s(read_s):
+        return bound_step_seconds(params, config, new_tokens, BANDWIDTH_BYTES / read_s / 1e9)
+
+    median = {name: float(np.median(t)) for name, t in times.items()}
     bound = bound_step_seconds(params, config, new_tokens, probe.best_gbs())
-    decode = (generate_s - first_token_s) / (new_tokens - 1)
+    decode = decode_s(median["gpt-jax"], median["first token"])
+    rounds = [bound_s(read) / decode_s(call, first) for call, first, read in
+              zip(times["gpt-jax"], times["first token"], times["bandwidth"])]
     return {"bandwidth_GBs": probe.best_gbs(), "bandwidth_reads": probe.spread(),
-            "bound_ms": 1e3 * bound, "x_bound": bound / (generate_s / new_tokens),
-            "decode_ms": 1e3 * decode, "x_bound_decode": bound / decode}
+            "bound_ms": 1e3 * bound, "x_bound": bound / (median["gpt-jax"] / new_tokens),
+            "decode_ms": 1e3 * decode, "x_bound_decode": bound / decode,
+            "x_bound_decode_rounds": [round(r, 2) for r in rounds]}
 
 
 def roofline_line(name: str, row: dict) -> str:
@@ -181,7 +195,8 @@ def roofline_line(name: str, row: dict) -> str:
     return (f"{name} batch 1: {row['ms_per_step']:.1f} ms per new token, decode step "
             f"{row['decode_ms']:.1f} ms; bound {row['bound_ms']:.1f} ms at {reads['bandwidth_GBs']}"
             f" GB/s (best read; xla {reads['xla']}, threads {reads['threads']}); x_bound "
-            f"{row['x_bound']:.2f}, x_bound_decode {row['x_bound_decode']:.2f}; load average "
+            f"{row['x_bound']:.2f}, x_bound_decode {row['x_bound_decode']:.2f} (rounds, each "
+            f"against its own read: {row['x_bound_decode_rounds']}); load average "
             f"{row['load_average']}")
 
 
@@ -280,8 +295,7 @@ def throughput(args) -> None:
                         row["x_transformers"] = median["transformers"] / median[engine]
                     if engine == "gpt-jax" and batch == 1:
                         row["x_naive"] = row["tok_per_s"] * step  # naive runs 1/step tokens/s
-                        row |= roofline_columns(params, config, new, probe, median[engine],
-                                                median["first token"])
+                        row |= roofline_columns(params, config, new, probe, times)
                         row |= {"first_token_ms": 1e3 * first_token_s, "load_s": load_s,
                                 "load_average": load}
                         print(roofline_line(name, row), flush=True)
