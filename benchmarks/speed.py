@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +41,9 @@ from gpt_jax.params import QUANTIZE, decode_layout, is_quantized, quantize
 from inference import SamplingParams, compile_counts, generate
 from inference.steps import cached_model, init_cache_rows
 from inference.naive import naive_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bandwidth import BANDWIDTH_BYTES, BandwidthProbe  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT_LEN = 64
@@ -143,14 +147,57 @@ def hf_model(config: GPTConfig, directory: str):
     return model, params, load_s
 
 
-def bound_step_seconds(params, config, new_tokens: int, bandwidth_s: float) -> float:
+def bound_step_seconds(params, config, new_tokens: int, bandwidth_gbs: float) -> float:
     """The float32 memory-bound limit of one batch-1 decode step (the roofline's method):
     every weight byte plus the live KV bytes (the mean live length over the generation),
-    read once at the bandwidth `bandwidth_s` (seconds to read `BANDWIDTH_BYTES`) measures."""
+    read once at `bandwidth_gbs` GB/s (`BandwidthProbe.best_gbs`)."""
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     live = PROMPT_LEN + new_tokens / 2
     kv_bytes = 2 * config.n_layers * live * config.kv_heads * config.head_dim * 4
-    return (weight_bytes + kv_bytes) / (BANDWIDTH_BYTES / bandwidth_s)
+    return (weight_bytes + kv_bytes) / (bandwidth_gbs * 1e9)
+
+
+def roofline_columns(params, config, new_tokens: int, probe: BandwidthProbe,
+                     times: dict[str, list[float]]) -> dict:
+    """A batch-1 row's memory-bound columns from the seconds of the same alternated rounds
+    (`times`: "gpt-jax", the `new_tokens` call; "first token", a 1-token call; "bandwidth",
+    the probe's read). From the medians and the probe's best read (`bound_ms`,
+    `bandwidth_GBs`, the reads' spread): `x_bound`, the bound over the whole call's time
+    per new token (prefill and first token included: a lower figure than the step's), and
+    the roofline benchmark's own measure, the decode step alone: `decode_ms`, (call - 1-token
+    call) / (new_tokens - 1) (the 1-token call runs the same prefill and first token, no
+    decode step), and `x_bound_decode`. And per round, `x_bound_decode_rounds`: that
+    round's decode step against the bound at that round's read (pairs timed moments apart,
+    the steadier figure under load). Raises ValueError for `new_tokens` below 2."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be at least 2 to time a decode step, got {new_tokens}")
+
+    def decode_s(call_s, first_s):
+        return (call_s - first_s) / (new_tokens - 1)
+
+    def bound_s(read_s):
+        return bound_step_seconds(params, config, new_tokens, BANDWIDTH_BYTES / read_s / 1e9)
+
+    median = {name: float(np.median(t)) for name, t in times.items()}
+    bound = bound_step_seconds(params, config, new_tokens, probe.best_gbs())
+    decode = decode_s(median["gpt-jax"], median["first token"])
+    rounds = [bound_s(read) / decode_s(call, first) for call, first, read in
+              zip(times["gpt-jax"], times["first token"], times["bandwidth"])]
+    return {"bandwidth_GBs": probe.best_gbs(), "bandwidth_reads": probe.spread(),
+            "bound_ms": 1e3 * bound, "x_bound": bound / (median["gpt-jax"] / new_tokens),
+            "decode_ms": 1e3 * decode, "x_bound_decode": bound / decode,
+            "x_bound_decode_rounds": [round(r, 2) for r in rounds]}
+
+
+def roofline_line(name: str, row: dict) -> str:
+    """One printed line of a batch-1 row's memory-bound figures (`roofline_columns`)."""
+    reads = row["bandwidth_reads"]
+    return (f"{name} batch 1: {row['ms_per_step']:.1f} ms per new token, decode step "
+            f"{row['decode_ms']:.1f} ms; bound {row['bound_ms']:.1f} ms at {reads['bandwidth_GBs']}"
+            f" GB/s (best read; xla {reads['xla']}, threads {reads['threads']}); x_bound "
+            f"{row['x_bound']:.2f}, x_bound_decode {row['x_bound_decode']:.2f} (rounds, each "
+            f"against its own read: {row['x_bound_decode_rounds']}); load average "
+            f"{row['load_average']}")
 
 
 def hf_generate_seconds(model, prompts, new_tokens) -> float:
@@ -185,11 +232,15 @@ def naive_step_seconds(params, config, batch, new_tokens) -> float:
 
 
 def throughput(args) -> None:
+    if 1 in args.batches and min(args.new_tokens) < 2:  # before any work
+        raise SystemExit(f"--new-tokens must be at least 2 with batch 1 (its decode step is "
+                         f"timed), got {min(args.new_tokens)}")
     if args.hf:  # --no-hf needs no torch
         import torch
 
         torch.set_num_threads(args.threads)
     rows, partial = [], RESULTS / f"throughput{args.tag}.partial.json"
+    probe = BandwidthProbe() if 1 in args.batches else None
     for name in args.presets:
         config = preset(name)
         with tempfile.TemporaryDirectory() as tmp:
@@ -222,14 +273,19 @@ def throughput(args) -> None:
                 if model is not None:
                     runs["transformers"] = functools.partial(
                         hf_generate_seconds, model, prompts, new)
-                if batch == 1:  # the bandwidth in the same rounds: the same load
-                    runs["bandwidth"] = bandwidth_seconds()
+                if batch == 1:  # the bandwidth and the first token in the same rounds
+                    probe.restart()
+                    runs["bandwidth"] = probe.read
+                    runs["first token"] = functools.partial(
+                        generate_seconds, laid_out, config, prompts, first)
                 for run in runs.values():
                     run()  # compile (ours) and warm up, untimed
+                load = os.getloadavg()[0]
                 times = interleaved(runs, args.rounds)
+                load = f"{load:.1f}->{os.getloadavg()[0]:.1f}"
                 median = {engine: float(np.median(t)) for engine, t in times.items()}
                 for engine, t in times.items():
-                    if engine == "bandwidth":
+                    if engine in ("bandwidth", "first token"):
                         continue
                     row = {"preset": name, "engine": engine, "batch": batch, "new_tokens": new,
                            "tok_per_s": batch * new / median[engine],
@@ -239,11 +295,10 @@ def throughput(args) -> None:
                         row["x_transformers"] = median["transformers"] / median[engine]
                     if engine == "gpt-jax" and batch == 1:
                         row["x_naive"] = row["tok_per_s"] * step  # naive runs 1/step tokens/s
-                        bound = bound_step_seconds(params, config, new, median["bandwidth"])
-                        row |= {"bandwidth_GBs": BANDWIDTH_BYTES / median["bandwidth"] / 1e9,
-                                "bound_ms": 1e3 * bound,
-                                "x_bound": bound / (median[engine] / new),
-                                "first_token_ms": 1e3 * first_token_s, "load_s": load_s}
+                        row |= roofline_columns(params, config, new, probe, times)
+                        row |= {"first_token_ms": 1e3 * first_token_s, "load_s": load_s,
+                                "load_average": load}
+                        print(roofline_line(name, row), flush=True)
                     if engine in ("gpt-jax bf16", f"gpt-jax {args.quantize}"):
                         row["x_float32"] = median["gpt-jax"] / median[engine]
                         if model is not None:
@@ -340,28 +395,11 @@ def live_length(args) -> None:
 # ---------------------------------------------------------------------------- 4: roofline
 
 
-BANDWIDTH_BYTES = 1 << 29  # a float32 array far larger than the caches
-
-
-def bandwidth_seconds():
-    """A function returning the seconds of one memory read of `BANDWIDTH_BYTES` (a jitted sum
-    over an array of that size), to time beside the engines."""
-    x = jnp.ones((BANDWIDTH_BYTES // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    return lambda: seconds(lambda: total(x))
-
-
-def bandwidth_gbs() -> float:
-    """Memory read bandwidth in GB/s: the best of 5 reads of `bandwidth_seconds`."""
-    read = bandwidth_seconds()
-    read()
-    return BANDWIDTH_BYTES / min(read() for _ in range(5)) / 1e9
-
-
 def roofline(args) -> None:
     config = preset(args.preset)
     params = init_params(config, jax.random.key(0))
-    bandwidth = bandwidth_gbs()
+    probe = BandwidthProbe()  # read between the step timings, alternated with them
+    probe.read()
     rows = []
     for dtype in args.dtypes:
         cast = jax.tree.map(lambda a: a.astype(dtype), params)  # noqa: B023
@@ -370,12 +408,17 @@ def roofline(args) -> None:
         for batch in args.batches:
             kv_bytes = (2 * config.n_layers * batch * args.live * config.kv_heads
                         * config.head_dim * itemsize)
-            bound = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
             step = decode_step_seconds(cast, config, batch, PROMPT_LEN + 128, args.live)
+            probe.read()
             rows.append({"dtype": dtype, "batch": batch, "live": args.live,
-                         "bandwidth_GBs": bandwidth, "weights_MB": weight_bytes / 1e6,
-                         "kv_MB": kv_bytes / 1e6, "bound_ms": 1e3 * bound,
-                         "step_ms": 1e3 * step, "x_bound": step / bound})
+                         "weights_MB": weight_bytes / 1e6, "kv_MB": kv_bytes / 1e6,
+                         "step_ms": 1e3 * step})
+    bandwidth = probe.best_gbs()  # the best read of the run: the strictest bound
+    for row in rows:
+        bound_ms = (row["weights_MB"] + row["kv_MB"]) / bandwidth
+        row |= {"bandwidth_GBs": bandwidth, "bound_ms": bound_ms,
+                "x_bound": row["step_ms"] / bound_ms}
+    print(f"bandwidth reads (GB/s): {probe.spread()}; load average {os.getloadavg()[:3]}")
 
     def plot(ax, rows):
         for dtype in args.dtypes:
@@ -388,7 +431,7 @@ def roofline(args) -> None:
         ax.set_ylabel(f"decode step (ms), live {args.live}")
         ax.legend()
 
-    save("roofline", rows, plot, {"preset": args.preset})
+    save("roofline", rows, plot, {"preset": args.preset, "bandwidth_reads": probe.spread()})
 
 
 # ----------------------------------------------------------------- 5: time to first token
