@@ -1,6 +1,8 @@
 """A draft model in `Engine` (`Engine(..., draft=(params, config))`): `EngineDraft`, the
 draft model's weights, paged cache and per-slot state, its prefill program
-(`draft_prefill`) and the speculative chunk program with it (`engine_draft_speculate`).
+(`draft_prefill`) and the speculative chunk program with it (`engine_draft_speculate`);
+and the command-line flags that load one (`add_draft_args`, `load_draft`: `gpt-jax serve
+--draft-run-dir DIR | --draft-hf-checkpoint DIR`).
 
 The draft's page pools have the target's page count and size and are indexed by the same
 page table (`Engine._page_table`), so a slot's draft keys and values follow its pages
@@ -18,12 +20,14 @@ Shapes: the letters of `gpt_jax.model`.
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from gpt_jax import cache as kv
+from gpt_jax import checkpoint
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import check_params, inference_params
 from inference.batching import PrefillBatch, _first_rows, _put_first_rows
@@ -113,8 +117,43 @@ class EngineDraft:
         check_params(params, self.config)
         check_draft(config, self.config)
         self.params = inference_params(params, self.config, dtype, quantize)
-        self.state = DraftState.init(kv.empty_cache(self.config, num_pages, max_slots,
-                                                    max_pages, page_size, dtype))
+        # one buffer per field: the programs donate them
+        self.state = jax.tree.map(jnp.copy, DraftState.init(kv.empty_cache(
+            self.config, num_pages, max_slots, max_pages, page_size, dtype)))
 
     def prefill(self, page_table, batch: PrefillBatch) -> None:
         self.state = draft_prefill(self.params, self.config, self.state, page_table, batch)
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    """--draft-run-dir or --draft-hf-checkpoint (one of them): the draft model of
+    `speculative="draft"` requests (`load_draft`)."""
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--draft-run-dir", metavar="DIR", default=None,
+                        help="a training run directory whose model drafts for "
+                             "speculative='draft' requests (same tokenizer as the model)")
+    source.add_argument("--draft-hf-checkpoint", metavar="DIR", default=None,
+                        help="a Hugging Face directory whose model drafts instead (same "
+                             "tokenizer as the model)")
+
+
+def load_draft(args, config: GPTConfig, tokenizer):
+    """`(params, config)` of the --draft-run-dir or --draft-hf-checkpoint model, checked
+    against the served model's `config` and `tokenizer` (`inference.draft.check_draft`), or
+    None without either flag.
+
+    Raises:
+      FileNotFoundError, ValueError: as `gpt_jax.checkpoint.load_params`, `gpt_jax.hf.load_hf`
+        and `check_draft` do.
+    """
+    if args.draft_run_dir:
+        draft_config, params, draft_tokenizer = checkpoint.load_params(args.draft_run_dir)
+    elif args.draft_hf_checkpoint:
+        from gpt_jax.hf import load_hf, load_hf_tokenizer
+
+        draft_config, params = load_hf(args.draft_hf_checkpoint)
+        draft_tokenizer = load_hf_tokenizer(args.draft_hf_checkpoint)
+    else:
+        return None
+    check_draft(config, draft_config, tokenizer, draft_tokenizer)
+    return params, draft_config

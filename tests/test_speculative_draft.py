@@ -2,7 +2,7 @@
 decoding without it (the target as its own draft: every draft accepted, so stops land inside
 accepted runs; a perturbed copy: drafts accepted and refused; k = 1..5, batched with n-gram
 and plain rows, and alone), the sampled distribution equal to non-speculative sampling
-(chi-square, failing on a planted wrong residual rule and on a planted wrong q), seeded
+(chi-square, failing on a planted wrong residual rule), seeded
 reproduction, the draft checks, and the Engine's mixed requests with preemption."""
 
 from __future__ import annotations
@@ -139,21 +139,10 @@ def test_sampled_distribution_equals_non_speculative_and_seed_reproduces(samples
     assert counts["accepted"] > 200 and counts["drafted"] - counts["accepted"] > 200
 
 
-@pytest.mark.parametrize("plant", ["residual", "q"])
-def test_chi_square_catches_a_wrong_rule(samples, monkeypatch, plant):
-    """Planted: after a refused draft, draw from p itself instead of max(0, p - q); or
-    verify as if the draft were certain (q one-hot at the drawn token, the n-gram rule)."""
+def test_chi_square_catches_a_wrong_residual_rule(samples, monkeypatch):
+    """Planted: after a refused draft, draw from p itself instead of max(0, p - q)."""
     params, draft, off, _ = samples
-    if plant == "residual":
-        monkeypatch.setattr(speculative, "residual_probs", lambda p_V, q_V: p_V)
-    else:
-        real = draft_model.draft_distribution
-
-        def one_hot_q(*args):
-            token_B, q_BV = real(*args)
-            return token_B, jax.nn.one_hot(token_B, q_BV.shape[-1])
-
-        monkeypatch.setattr(draft_model, "draft_distribution", one_hot_q)
+    monkeypatch.setattr(speculative, "residual_probs", lambda p_V, q_V: p_V)
     jax.clear_caches()  # the right rule's program is cached
     try:
         planted = _first_tokens(params, draft, seed=12)[0]
@@ -182,3 +171,123 @@ def test_draft_checks(model):
                             CharTokenizer(list("abc")))
     with pytest.raises(ValueError, match="speculative='draft' needs a draft model"):
         generate(params, config, [[1, 2]], _draft(2))
+
+
+# ------------------------------------------------------------------ the Engine
+
+def _engine_requests(config, rng, count):
+    """Greedy requests drafting with the draft model (k = 2..4; some with EOS ids and stop
+    sequences), greedy n-gram ones, greedy and sampled plain ones, of random lengths."""
+    requests = []
+    for i in range(count):
+        prompt = rng.integers(0, config.vocab_size, int(rng.integers(2, 30))).tolist()
+        sp = dict(max_new_tokens=int(rng.integers(1, 40)), seed=i)
+        if i % 5 == 4:
+            sp |= dict(temperature=0.9, top_k=20, frequency_penalty=0.3)
+        else:
+            sp |= dict(temperature=0.0, stop_token_ids=[int(rng.integers(0, 64))] * (i % 3 == 0),
+                       stop_sequences=[[int(t) for t in rng.integers(0, 64, 1)]] * (i % 3 == 1))
+            if i % 5 in (0, 1, 2):
+                sp |= dict(speculative="draft", num_speculative_tokens=2 + i % 3)
+            elif i % 10 == 3:
+                sp |= dict(speculative="ngram", num_speculative_tokens=3)
+        requests.append((f"r{i}", prompt, SamplingParams(**sp)))
+    return requests
+
+
+def test_engine_mixed_requests_with_preemption_equal_each_alone():
+    from inference import Engine
+    config = GPTConfig.preset("tiny-llama")
+    params = lively_params(config, scale=2.0)
+    draft = (_perturbed(params, 0.1), config)
+    rng = np.random.default_rng(0)
+    requests = _engine_requests(config, rng, 40)
+    engine = Engine(params, config, max_slots=2, num_pages=20, page_size=4, draft=draft)
+    pending, finals = list(requests), {}
+    while pending or engine.has_unfinished_requests():
+        while pending and rng.random() < 0.4:
+            engine.add_request(*pending.pop(0))
+        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["free_pages"] == stats["total_pages"]
+    assert 0.2 < stats["spec_acceptance_rate"] < 1 and stats["spec_tokens_per_verification"] > 1.5
+    # rows of one generate call are independent: each is its request alone
+    alone = generate(params, config, [p for _, p, _ in requests], [s for *_, s in requests],
+                     draft=draft)
+    for (request_id, _, _), ref in zip(requests, alone):
+        assert finals[request_id].token_ids == ref.tokens, request_id
+        assert finals[request_id].finish_reason == ref.finish_reason, request_id
+
+
+def test_engine_refuses_a_draft_request_without_a_draft_model():
+    from inference import Engine
+    from inference.errors import RequestError
+    config = GPTConfig.preset("tiny")
+    engine = Engine(lively_params(config), config, max_slots=2)
+    with pytest.raises(RequestError, match="speculative='draft' needs a draft model"):
+        engine.add_request("a", [1, 2], _draft(2))
+    with pytest.raises(ValueError, match="without mesh and mixed_steps"):
+        Engine(lively_params(config), config, mixed_steps=True,
+               draft=(lively_params(config), config))
+
+
+# ------------------------------------------------------------------ LLM, the server, flags
+
+def test_server_and_llm_with_a_draft_return_the_tokens_of_speculation_off(model):
+    """Greedy requests to a server whose Engine has a draft model, with and without
+    speculative="draft" (some with a stop string landing inside the text), and the same
+    through `LLM(..., draft=...)`: the same text and finish reason; drafts were accepted."""
+    import openai
+    from serving import KEY, TOKENIZER, metric, running, wait_ready
+
+    from inference import LLM, Engine
+    from inference.server import ServerConfig
+    params, config = model
+    draft = (_perturbed(params), config)
+    prompts = ["0123012301230123", "ABCDABCDAB", "9a8b7c6d"]
+    cfg = ServerConfig("tiny", api_key=KEY, max_queue=64)
+    with running(lambda: Engine(params, config, TOKENIZER, max_slots=4, draft=draft),
+                 cfg) as url:
+        wait_ready(url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+        def answer(prompt, **fields):
+            r = client.completions.create(model="tiny", prompt=prompt, temperature=0, **fields)
+            return r.choices[0].text, r.choices[0].finish_reason
+
+        spec = dict(extra_body={"speculative": "draft", "num_speculative_tokens": 3})
+        for prompt in prompts:
+            text, reason = answer(prompt, max_tokens=30)
+            assert answer(prompt, max_tokens=30, **spec) == (text, reason)
+            stopped = answer(prompt, max_tokens=30, stop=text[9:11])
+            assert stopped[1] == "stop" and answer(prompt, max_tokens=30, stop=text[9:11],
+                                                   **spec) == stopped
+        assert metric(url, "gpt_jax:spec_decode_num_accepted_tokens") > 20
+    llm = LLM(params, config, TOKENIZER, draft=(*draft, TOKENIZER), compile_cache=False)
+    texts = [[c.text for c in llm.generate(prompts, SamplingParams(
+        max_new_tokens=30, **GREEDY, **kw), max_batch_size=4, progress=False)]
+        for kw in ({}, dict(speculative="draft", num_speculative_tokens=3))]
+    assert texts[0] == texts[1]
+
+
+def test_serve_draft_flags_load_and_check_the_tokenizer(model, tmp_path):
+    from serving import TOKENIZER, save_run
+
+    from gpt_jax import checkpoint
+    from gpt_jax.tokenizer import CharTokenizer
+    from inference import serve
+    from inference.draft_engine import load_draft
+    params, config = model
+    target = save_run(tmp_path / "target", config, params)
+    args = serve.parse_args(["--run-dir", str(target), "--draft-run-dir", str(target)])
+    loaded, draft_config = load_draft(args, config, TOKENIZER)
+    assert draft_config == config
+    other = tmp_path / "other"
+    save_run(other, config, params)
+    checkpoint.save_tokenizer(other, CharTokenizer([chr(ord("A") + i) for i in range(64)]))
+    args = serve.parse_args(["--run-dir", str(target), "--draft-run-dir", str(other)])
+    with pytest.raises(ValueError, match=r"draft model's tokenizer \(char, 64 tokens\) differs"):
+        load_draft(args, config, TOKENIZER)
+    assert load_draft(serve.parse_args(["--run-dir", str(target)]), config, TOKENIZER) is None
+    with pytest.raises(SystemExit):  # one draft source only
+        serve.parse_args(["--draft-run-dir", "a", "--draft-hf-checkpoint", "b"])
