@@ -176,8 +176,9 @@ def test_draft_checks(model):
 # ------------------------------------------------------------------ the Engine
 
 def _engine_requests(config, rng, count):
-    """Greedy requests drafting with the draft model (k = 2..4; some with EOS ids and stop
-    sequences), greedy n-gram ones, greedy and sampled plain ones, of random lengths."""
+    """Greedy requests drafting with the draft model (k = 3 and 4: one program width; some
+    with EOS ids and stop sequences), greedy n-gram ones, greedy and sampled plain ones, of
+    random lengths."""
     requests = []
     for i in range(count):
         prompt = rng.integers(0, config.vocab_size, int(rng.integers(2, 30))).tolist()
@@ -188,7 +189,7 @@ def _engine_requests(config, rng, count):
             sp |= dict(temperature=0.0, stop_token_ids=[int(rng.integers(0, 64))] * (i % 3 == 0),
                        stop_sequences=[[int(t) for t in rng.integers(0, 64, 1)]] * (i % 3 == 1))
             if i % 5 in (0, 1, 2):
-                sp |= dict(speculative="draft", num_speculative_tokens=2 + i % 3)
+                sp |= dict(speculative="draft", num_speculative_tokens=3 + i % 2)
             elif i % 10 == 3:
                 sp |= dict(speculative="ngram", num_speculative_tokens=3)
         requests.append((f"r{i}", prompt, SamplingParams(**sp)))
