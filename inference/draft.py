@@ -23,7 +23,9 @@ holds past them is overwritten later.
 A row paused by the adaptive draft length (`inference.speculative.adapt`) still feeds its
 token to the draft model each step (one draft decode step, not k), so that its draft cache
 stays in step with its output. Rows drafting with n-grams and rows not speculating share
-the chunk; the draft model runs only for drafting rows' tokens (the others feed nothing).
+the chunk: the draft's forward runs over every row of the batch, and stores only drafting
+rows' keys and values. A batch without a drafting row runs no draft model at all
+(`generation.run`, `Engine._decode` pick the n-gram programs).
 
 Shapes: the letters of `gpt_jax.model`, K the drafts per step (the batch's widest k).
 """
