@@ -31,8 +31,8 @@ from inference.batching import (decode_rows, engine_decode, engine_prefill, pref
 from inference.constraint_mask import warmup_arrays
 from inference.constraints import automaton
 from inference.decode import CHUNK, init_state, widen_recent
-from inference.draft_engine import EngineDraft, draft_prefill, engine_draft_speculate
 from inference.detokenize import RequestOutput, request_output, sequence_text
+from inference.draft_engine import EngineDraft, draft_prefill, engine_draft_speculate
 from inference.errors import RequestError
 from inference.generation import generate_program
 from inference.mixed import engine_mixed, mixed_batch
