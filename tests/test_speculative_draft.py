@@ -223,6 +223,29 @@ def test_engine_mixed_requests_with_preemption_equal_speculation_off():
         assert finals[request_id].finish_reason == ref.finish_reason, request_id
 
 
+def test_engine_sampled_draft_requests_equal_generate_and_reproduce(model):
+    """Sampled requests drafting with a draft model, not preempted: the Engine's tokens are
+    `generate`'s (draws keyed by seed, prompt, sample and step), twice."""
+    from inference import Engine
+    params, config = model
+    draft = (_perturbed(params), config)
+    requests = [(f"s{i}", [3 + i, 7, 11, 5 + i], _draft(3, temperature=0.8, top_p=0.9,
+                                                          max_new_tokens=24, seed=i))
+                for i in range(3)]
+    ref = generate(params, config, [p for _, p, _ in requests], [s for *_, s in requests],
+                   draft=draft)
+    counts = [c.speculation for c in ref]
+    assert 0 < sum(c["accepted"] for c in counts) < sum(c["drafted"] for c in counts)
+    for _ in range(2):
+        engine = Engine(params, config, max_slots=4, draft=draft)
+        for request in requests:
+            engine.add_request(*request)
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals |= {o.request_id: o for o in engine.step() if o.finished}
+        assert [finals[r].token_ids for r, _, _ in requests] == [c.tokens for c in ref]
+
+
 def test_engine_refuses_a_draft_request_without_a_draft_model():
     from inference import Engine
     from inference.errors import RequestError
