@@ -1,11 +1,12 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding in `generate`: tokens/s
-side by side, acceptance and tokens per verification, on a copy-heavy and a plain
-continuation workload, at batch 1 and 8.
+"""Speculative decoding (n-gram prompt lookup, or a draft model with `--draft-run-dir`)
+against plain decoding in `generate`: tokens/s side by side, acceptance and tokens per
+verification, on a copy-heavy and a plain continuation workload, at batch 1 and 8.
 
 Usage:
   nice -n 10 .venv/bin/python benchmarks/speculative.py
   gpt-jax bench speculative --preset gpt2 --batch 1 --max-new-tokens 32
   gpt-jax bench speculative --run-dir runs/shakespeare-char
+  gpt-jax bench speculative --run-dir runs/big --draft-run-dir runs/small --name spec-draft
 
 Workloads (greedy): (a) copy-heavy: a document D, the model's own greedy continuation of a
 seed prompt S (a speaker's name for a trained run, random tokens otherwise), placed in the
@@ -76,22 +77,23 @@ def workloads(args, params, config, batch: int, new: int, rng) -> dict[str, list
     return {"copy": copy, "plain": seeds}
 
 
-def run_once(params, config, prompts, sampling):
+def run_once(params, config, prompts, sampling, draft=None):
     tick = time.perf_counter()
-    outs = generate(params, config, prompts, sampling)
+    outs = generate(params, config, prompts, sampling, draft=draft)
     return time.perf_counter() - tick, outs
 
 
-def measure(params, config, prompts, new: int, k: int, repeats: int) -> dict:
-    """Median tokens/s off and on, alternated, and the speculative counts."""
+def measure(params, config, prompts, new: int, k: int, repeats: int, draft=None) -> dict:
+    """Median tokens/s off and on (n-gram drafts, or `draft`'s: `(params, config)`),
+    alternated, and the speculative counts."""
     off = SamplingParams(temperature=0, max_new_tokens=new)
-    on = SamplingParams(temperature=0, max_new_tokens=new, speculative="ngram",
-                        num_speculative_tokens=k)
-    run_once(params, config, prompts, off), run_once(params, config, prompts, on)  # compile
+    on = SamplingParams(temperature=0, max_new_tokens=new, num_speculative_tokens=k,
+                        speculative="ngram" if draft is None else "draft")
+    run_once(params, config, prompts, off), run_once(params, config, prompts, on, draft)
     times, outs = {"off": [], "on": []}, {}
     for _ in range(repeats):
         for name, sp in (("off", off), ("on", on)):
-            seconds, outs[name] = run_once(params, config, prompts, sp)
+            seconds, outs[name] = run_once(params, config, prompts, sp, draft)
             times[name].append(seconds)
     counts = [o.speculation for o in outs["on"]]
     tokens = sum(len(o.tokens) for o in outs["on"])
@@ -126,6 +128,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="gpt-jax bench speculative", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", default=None, help="a trained run (default: random)")
+    parser.add_argument("--draft-run-dir", default=None,
+                        help="a trained run with the same tokenizer whose model drafts "
+                             "(speculative='draft') instead of n-grams")
     parser.add_argument("--preset", default="shakespeare-char")
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--scale", type=float, default=3.0)
@@ -136,12 +141,17 @@ def main(argv=None):
     parser.add_argument("--name", default="speculative")
     args = parser.parse_args(argv)
     params, config, source = load_model(args)
+    draft = None
+    if args.draft_run_dir:
+        draft_config, draft_params, _ = load_params(args.draft_run_dir)
+        draft, source = (draft_params, draft_config), f"{source}, draft {args.draft_run_dir}"
     rng = np.random.default_rng(0)
     rows = []
     for batch in args.batch:
         for workload, prompts in workloads(args, params, config, batch,
                                            args.max_new_tokens, rng).items():
-            row = measure(params, config, prompts, args.max_new_tokens, args.k, args.repeats)
+            row = measure(params, config, prompts, args.max_new_tokens, args.k, args.repeats,
+                          draft)
             rows.append({"workload": workload, "batch": batch, **row})
             print(f"{workload:6} batch {batch}: off {row['off_tokens_per_s']:8.1f} tok/s  "
                   f"on {row['on_tokens_per_s']:8.1f} tok/s  {row['speedup']:.2f}x  "
@@ -151,11 +161,12 @@ def main(argv=None):
     load = os.getloadavg()
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     RESULTS.mkdir(exist_ok=True)
-    result = {"model": source, "k": args.k, "max_new_tokens": args.max_new_tokens,
+    result = {"model": source, "drafts": "n-gram" if draft is None else "draft model",
+              "k": args.k, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "load_average": load, "rows": rows}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, RESULTS / f"{args.name}.png", f"n-gram speculation, k={args.k}, {source}, "
-         f"load {load[0]:.0f}")
+    plot(rows, RESULTS / f"{args.name}.png",
+         f"{result['drafts']} speculation, k={args.k}, {source}, load {load[0]:.0f}")
 
 
 if __name__ == "__main__":

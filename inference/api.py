@@ -65,7 +65,8 @@ class SamplingFields(BaseModel):
     repetition_penalty: Optional[float] = _bounded(1.0, "repetition_penalty")
     min_tokens: Optional[int] = _bounded(0, "min_tokens")
     logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias
-    # speculative decoding (`inference.speculative`): "ngram" or null
+    # speculative decoding (`inference.speculative`): "ngram", "draft" (a server started with
+    # a draft model, `inference.draft_engine`) or null
     speculative: Optional[str] = None
     num_speculative_tokens: Optional[int] = _bounded(4, "num_speculative_tokens")
     prompt_lookup_min: Optional[int] = _bounded(1, "prompt_lookup_min")

@@ -32,6 +32,7 @@ from inference.constraint_mask import warmup_arrays
 from inference.constraints import automaton
 from inference.decode import CHUNK, init_state, widen_recent
 from inference.detokenize import RequestOutput, request_output, sequence_text
+from inference.draft_engine import EngineDraft, draft_prefill, engine_draft_speculate
 from inference.errors import RequestError
 from inference.generation import generate_program
 from inference.mixed import engine_mixed, mixed_batch
@@ -50,7 +51,8 @@ def compile_counts() -> dict[str, int]:
     """Programs compiled so far by each jitted entry point (their jit cache sizes)."""
     fns = {"prefill": prefill, "decode_step": decode_step, "generate": generate_program,
            "engine_prefill": engine_prefill, "engine_decode": engine_decode,
-           "engine_speculate": engine_speculate, "engine_mixed": engine_mixed}
+           "engine_speculate": engine_speculate, "engine_mixed": engine_mixed,
+           "draft_prefill": draft_prefill, "engine_draft_speculate": engine_draft_speculate}
     return {name: fn._cache_size() for name, fn in fns.items()}
 
 
@@ -125,13 +127,16 @@ class Engine:
         and decode chunks take turns. Both give the same tokens; on CPU mixed steps still
         raise the running requests' p99 time per token under a long prompt (prompt tokens
         attend through XLA, not a CPU kernel: benchmarks/README.md, "Serving").
+      draft: `(params, config)` of a draft model for `speculative="draft"` requests
+        (`inference.draft_engine`; not with a mesh or mixed steps).
     Raises:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a
         tokenizer without encode/decode, another cache dtype, a quantize other than None or
         `gpt_jax.params.QUANTIZE`, a page_size above config.max_seq_len (and 16), params
         that do not match `config`, or a mesh they do not fit
-        (`gpt_jax.tensor_parallel.check_mesh`). (A pool too small for some request is found
+        (`gpt_jax.tensor_parallel.check_mesh`), a draft that cannot draft for the model
+        (`inference.draft.check_draft`). (A pool too small for some request is found
         per request, by add_request.)
     """
 
@@ -139,7 +144,8 @@ class Engine:
                  num_pages: int | None = None, kv_cache_bytes: int | None = None,
                  page_size: int = PAGE_SIZE, cache_dtype="float32", prefix_caching: bool = True,
                  max_prefill_tokens: int = 128, prefill_chunk_tokens: int = 64,
-                 quantize: str | None = None, mesh=None, mixed_steps: bool = False):
+                 quantize: str | None = None, mesh=None, mixed_steps: bool = False,
+                 draft=None):
         sizes = dict(max_slots=max_slots, page_size=page_size,
                      max_prefill_tokens=max_prefill_tokens,
                      prefill_chunk_tokens=prefill_chunk_tokens, num_pages=num_pages,
@@ -165,6 +171,8 @@ class Engine:
             dtype = None
         if dtype is None or dtype.name not in ("float32", "bfloat16"):
             raise ValueError(f"Engine cache_dtype must be float32 or bfloat16, got {cache_dtype!r}")
+        if draft is not None and (mesh is not None or mixed_steps):
+            raise ValueError("an Engine with a draft model runs without mesh and mixed_steps")
         if page_size > max(config.max_seq_len, PAGE_SIZE):  # a page past the context
             raise ValueError(f"Engine page_size must be at most the model's max_seq_len "
                              f"{config.max_seq_len} (or {PAGE_SIZE}), got {page_size}")
@@ -204,6 +212,10 @@ class Engine:
         self.prefill_program = self.decode_program = self.mixed_program = None
         self.mixed = mixed_steps and mesh is None  # prompts go in with the decode tokens
         self.spec = SpecSlots(max_slots)  # speculative rows' draft state and counters
+        # the draft model of speculative="draft" requests (`inference.draft_engine`)
+        self.draft = None if draft is None else EngineDraft(
+            draft, config, num_pages=num_pages, max_slots=max_slots, max_pages=max_pages,
+            page_size=page_size, dtype=dtype, quantize=quantize)
 
     # ------------------------------------------------------------------ requests
 
@@ -264,6 +276,10 @@ class Engine:
                                else "invalid_type", owner="", request=request_id,
                                lead="; a prompt is ",
                                problem="{request}: the prompt is {value!r:.40}")
+        if sampling.speculative == "draft" and self.draft is None:
+            raise RequestError("speculative", "draft", "'ngram' or None without a draft model",
+                               owner="", request=request_id, problem="{request}: "
+                               "speculative='draft' needs a draft model: Engine(..., draft=...)")
         prompt = check_request(self.config, prompt, sampling, request=request_id,
                                page_size=self.page_size, num_pages=self.num_pages,
                                tokenizer=self.tokenizer)
@@ -368,11 +384,14 @@ class Engine:
     def _prefill(self, work: list[PrefillWork]) -> None:
         """One prefill call: the chunks of `work`, a row each."""
         rows, stops = self._row_arrays()
+        table = self._page_table()
+        batch = prefill_batch(work, self.max_slots, self.config.vocab_size,
+                              self.state.recent.shape[1], self.state.window.shape[1],
+                              self.tokenizer)
         self.state = (self.prefill_program or engine_prefill)(
-            self.params, self.config, self.state, self._page_table(),
-            prefill_batch(work, self.max_slots, self.config.vocab_size,
-                          self.state.recent.shape[1], self.state.window.shape[1], self.tokenizer),
-            rows, stops, pad_id=0)
+            self.params, self.config, self.state, table, batch, rows, stops, pad_id=0)
+        if self.draft is not None:
+            self.draft.prefill(table, batch)
         self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
 
     def _mixed(self, decode: list[Sequence], work: list[PrefillWork]) -> None:
@@ -401,11 +420,18 @@ class Engine:
         width = width_of([q.sampling for q in running])
         if width and not window_slots.shape[0]:  # speculative rows, none near a "crop"
             width = bucket(width)  # few programs
-            self.state, self.spec.state = engine_speculate(
-                self.params, self.config, self.state, self.spec.state, self._page_table(),
-                jnp.asarray(live), rows, stops, self._spec_arrays(),
-                n_rows=decode_rows(max(q.slot for q in running) + 1, self.max_slots),
-                width=width, pad_id=0)
+            arrays = self._spec_arrays()
+            args = (self._page_table(), jnp.asarray(live), rows, stops, arrays)
+            static = dict(n_rows=decode_rows(max(q.slot for q in running) + 1, self.max_slots),
+                          width=width, pad_id=0)
+            if arrays.use_draft is None:
+                self.state, self.spec.state = engine_speculate(
+                    self.params, self.config, self.state, self.spec.state, *args, **static)
+            else:
+                d = self.draft
+                self.state, self.spec.state, d.state = engine_draft_speculate(
+                    self.params, self.config, d.params, d.config, self.state, self.spec.state,
+                    d.state, *args, **static)
             return
         self.state = (self.decode_program or engine_decode)(
             self.params, self.config, self.state, self._page_table(), jnp.asarray(live), rows,

@@ -29,6 +29,7 @@ from gpt_jax import tensor_parallel
 from gpt_jax.config import GPTConfig
 from gpt_jax.params import Params, check_params, decode_layout
 from inference import stopping
+from inference import draft as draft_model
 from inference import speculative
 from inference.constraint_mask import constraint_arrays
 from inference.constraints import automaton
@@ -90,6 +91,24 @@ def speculative_program(params, config, prompt_tokens, prompt_lengths, source_B,
     return speculative.speculative_loop(
         state, speculative.SpecState.init(spec), verifier(params, config), rows, stops, spec,
         width=spec_width, limit=capacity, pad_id=pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("spec_width", "draft_config"))
+def draft_program(params, config, draft_params, draft_config, prompt_tokens, prompt_lengths,
+                  source_B, rows, stops, spec: speculative.SpecArrays, *, capacity, n_steps,
+                  n_top, model_fns, cache_dtype, pad_id, forked, spec_width):
+    """`speculative_program` with a draft model (`inference.draft`), prefilled with the
+    prompts into its own cache of the same page layout. Returns `(DecodeState,
+    speculative.SpecState)`."""
+    state = _start(params, config, prompt_tokens, prompt_lengths, source_B, rows, stops,
+                   capacity=capacity, n_steps=n_steps, n_top=n_top, model_fns=model_fns,
+                   cache_dtype=cache_dtype, forked=forked, pad_id=pad_id, spec_width=spec_width)
+    draft_prefill, _ = model_fns(draft_params, draft_config, capacity, cache_dtype)
+    _, draft_cache = draft_prefill(prompt_tokens, prompt_lengths, source_B, forked)
+    return draft_model.draft_loop(
+        state, speculative.SpecState.init(spec), draft_model.DraftState.init(draft_cache),
+        verifier(params, config), draft_model.drafter(draft_params, draft_config), rows, stops,
+        spec, width=spec_width, limit=capacity, pad_id=pad_id)
 
 
 @dataclasses.dataclass
@@ -242,10 +261,16 @@ def unpack(batch: Batch, state: DecodeState) -> list[Completion]:
 
 
 def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_id=0,
-        cache_dtype=jnp.float32, tokenizer=None) -> list[Completion]:
+        cache_dtype=jnp.float32, tokenizer=None, draft=None) -> list[Completion]:
     """Validate, pack, run one compiled generation program, unpack."""
     check_params(params, config)
+    if draft is not None:
+        check_params(*draft)
+        draft_model.check_draft(config, draft[1])
     prompts, sampling = validate(config, prompts, sampling, bos_token_id, tokenizer)
+    if draft is None and any(sp.speculative == "draft" for sp in sampling):
+        raise ValueError("speculative='draft' needs a draft model: generate(..., "
+                         "draft=(params, config))")
     if any(sp.stop for sp in sampling):
         raise ValueError("stop strings need a tokenizer: use inference.LLM for them")
     if all(sp.max_new_tokens == 0 for sp in sampling):  # nothing to do: compile nothing
@@ -259,13 +284,18 @@ def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_
     # speculation verifies over the paged cache; the naive reference runs token by token
     if not batch.spec_width or model_fns is not cached_model:
         return unpack(batch, generate_program(*args, **static))
-    state, spec = speculative_program(*args, batch.spec, spec_width=batch.spec_width, **static)
+    if batch.spec.use_draft is not None:
+        state, spec = draft_program(params, config, draft[0], draft[1], *args[2:], batch.spec,
+                                    spec_width=batch.spec_width, **static)
+    else:
+        state, spec = speculative_program(*args, batch.spec, spec_width=batch.spec_width,
+                                          **static)
     return speculative.with_counts(unpack(batch, state), batch.requests, jax.device_get(spec))
 
 
 def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_token_id=None,
              pad_id: int = 0, cache_dtype=jnp.float32, mesh=None,
-             tokenizer=None) -> list[Completion]:
+             tokenizer=None, draft=None) -> list[Completion]:
     """Generate from a batch of token-id prompts with a KV cache, in one compiled program.
 
     Args:
@@ -284,6 +314,9 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
         over it (`gpt_jax.tensor_parallel`; the same tokens as on one device).
       tokenizer: the model's tokenizer (`gpt_jax.tokenizer`), which structured output
         (`SamplingParams.json_schema`, `regex`, `choice`, `json_object`) needs.
+      draft: `(params, config)` of a draft model with the target's vocabulary and at least
+        its max_seq_len (`inference.draft.check_draft`), which `speculative="draft"`
+        requests draft with.
     Returns:
       One Completion per prompt and sample, in input order.
     Raises:
@@ -292,6 +325,8 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
         a mesh the model's heads do not fit (`gpt_jax.tensor_parallel.check_mesh`).
     """
     if mesh is not None:
+        if draft is not None:
+            raise ValueError("generate(draft=...) does not run tensor-parallel: pass mesh=None")
         check_params(params, config)
         params, config = tensor_parallel.shard_params(jax.jit(decode_layout)(params), config,
                                                       mesh)
@@ -300,4 +335,4 @@ def generate(params: Params, config: GPTConfig, prompts, sampling=None, *, bos_t
                             pad_id=pad_id, cache_dtype=cache_dtype, tokenizer=tokenizer)
     return run(params, config, prompts, sampling, model_fns=cached_model,
                bos_token_id=bos_token_id, pad_id=pad_id, cache_dtype=cache_dtype,
-               tokenizer=tokenizer)
+               tokenizer=tokenizer, draft=draft)

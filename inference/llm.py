@@ -40,6 +40,7 @@ from gpt_jax.params import inference_params
 from inference import compile_cache as compile_cache_module
 from inference import exported
 from inference.chat import HOW_TO_SUPPLY, ChatTemplate, NoChatTemplate, token_ids
+from inference.draft import check_draft
 from inference.engine import Engine
 from inference.generation import validate
 from inference.sampling_params import SamplingParams
@@ -111,17 +112,21 @@ class LLM:
     over it (`inference.Engine`, `gpt_jax.tensor_parallel`).
     `compile_cache` (default on) keeps the compiled programs on disk for the next process
     (`inference.compile_cache.enable`).
+    `draft`: `(params, config)` or `(params, config, tokenizer)` of a draft model for
+    `speculative="draft"` requests (`inference.draft`; its tokenizer, when given, must be
+    the LLM's).
 
     Raises:
       ValueError: a dtype other than `DTYPES`, a quantize other than None or
         `gpt_jax.params.QUANTIZE`, params whose shapes do not match `config`
-        (`gpt_jax.params.check_params`), or a mesh they do not fit.
+        (`gpt_jax.params.check_params`), or a mesh they do not fit, or a draft that cannot
+        draft for the model (`inference.draft.check_draft`).
     """
 
     def __init__(self, params, config, tokenizer, dtype="float32", quantize: str | None = None,
                  chat_template: ChatTemplate | str | None = None,
                  eos_token_ids: tuple[int, ...] = (), mesh=None,
-                 compile_cache: bool = True):
+                 compile_cache: bool = True, draft=None):
         # before the first compile (inference_params'); the engines' programs exported there
         self.compile_dir = compile_cache_module.enable() if compile_cache else None
         try:
@@ -141,6 +146,9 @@ class LLM:
         self.eos_token_ids = tuple(eos_token_ids)
         self.mesh = mesh
         tensor_parallel.check_mesh(mesh, config)
+        if draft is not None:  # (params, config) or (params, config, tokenizer)
+            check_draft(config, draft[1], tokenizer, draft[2] if len(draft) > 2 else None)
+        self.draft = None if draft is None else tuple(draft[:2])
         self._engines: dict[int, Engine] = {}  # by max_slots
 
     def engine(self, max_slots: int) -> Engine:
@@ -148,7 +156,8 @@ class LLM:
         if max_slots not in self._engines:
             self._engines[max_slots] = Engine(
                 self.params, self.config, self.tokenizer, max_slots=max_slots,
-                cache_dtype=self.cache_dtype, quantize=self.quantize, mesh=self.mesh)
+                cache_dtype=self.cache_dtype, quantize=self.quantize, mesh=self.mesh,
+                draft=self.draft)
             if self.compile_dir is not None and self.mesh is None:  # artifacts are one-device programs
                 exported.attach(self._engines[max_slots], self.compile_dir / "exported")
         return self._engines[max_slots]

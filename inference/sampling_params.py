@@ -15,7 +15,7 @@ from inference.errors import RequestError
 MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for
 INT32_MAX = 2**31 - 1  # integer fields become int32 arrays
 CONTEXT_OVERFLOW = ("error", "crop")  # SamplingParams.context_overflow values (None: default)
-SPECULATIVE = ("ngram",)  # SamplingParams.speculative values (None: off)
+SPECULATIVE = ("ngram", "draft")  # SamplingParams.speculative values (None: off)
 MAX_SPECULATIVE_TOKENS = 8  # most drafted tokens per verification
 MAX_NGRAM = 4  # longest n-gram prompt lookup matches
 
@@ -114,7 +114,8 @@ class SamplingParams:
     # draft up to `num_speculative_tokens` tokens by matching the row's last n tokens
     # (n from prompt_lookup_max down to prompt_lookup_min) earlier in its prompt and output,
     # and verify them in one forward. The output's distribution (greedy: its tokens) is
-    # that of decoding without it.
+    # that of decoding without it. "draft": the drafts come from a draft model given to
+    # `generate`, `Engine` or `LLM` (`inference.draft`).
     speculative: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1

@@ -25,6 +25,7 @@ from gpt_jax import tensor_parallel
 from gpt_jax.cache import cache_bytes
 from inference import compile_cache, exported, multihost
 from inference.chat import ChatTemplate
+from inference.draft_engine import add_draft_args, load_draft
 from inference.engine import Engine
 from inference.load import add_model_args, load_config, load_model
 from inference.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gpt-jax serve", description=DESCRIPTION,
                                 formatter_class=_HelpWithDefaults)
     add_model_args(p)
+    add_draft_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", default=None,
@@ -262,7 +264,8 @@ def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, tuple[int, 
         return Engine(params, config, tokenizer, max_slots=args.max_slots,
                       kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
                       quantize=args.quantize, mesh=_mesh(args.tensor_parallel),
-                      mixed_steps=args.mixed_steps), eos
+                      mixed_steps=args.mixed_steps,
+                      draft=load_draft(args, config, tokenizer)), eos
     except (OSError, ValueError, ImportError) as error:  # ImportError: a .bin without torch
         raise SystemExit(f"gpt-jax serve: {error}") from error
 

@@ -64,15 +64,19 @@ class SpecSlots:
 
     @staticmethod
     def arrays(active, max_slots: int, max_seq_len: int) -> SpecArrays:
-        """Per-slot settings of the active sequences; a "crop" request (one that may outgrow
-        the context) and a free slot do not speculate."""
+        """Per-slot settings of the active sequences (`use_draft` None when none drafts
+        with a draft model); a "crop" request (one that may outgrow the context) and a free
+        slot do not speculate."""
         k, lo, hi = (np.zeros(max_slots, np.int32) for _ in range(3))
+        use_draft = np.zeros(max_slots, bool)
         for q in active:
             sp = q.sampling
             fits = len(q.prompt) + sp.max_new_tokens <= max_seq_len
             k[q.slot] = sp.num_speculative_tokens if sp.speculative and fits else 0
             lo[q.slot], hi[q.slot] = sp.prompt_lookup_min, sp.prompt_lookup_max
-        return SpecArrays(*map(jnp.asarray, (k, lo, hi)))
+            use_draft[q.slot] = sp.speculative == "draft" and fits
+        return SpecArrays(*map(jnp.asarray, (k, lo, hi)),
+                          use_draft=jnp.asarray(use_draft) if use_draft.any() else None)
 
     def insert(self, slots: list[int], arrays: SpecArrays) -> None:
         """Sequences joining the decode batch at `slots` (new, or preempted and admitted

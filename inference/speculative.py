@@ -63,14 +63,20 @@ class SpecArrays:
     k_max: jax.Array  # [B] int32, the row's num_speculative_tokens; 0 = not speculative
     ngram_min: jax.Array  # [B] int32, shortest n-gram to match
     ngram_max: jax.Array  # [B] int32, longest n-gram to match
+    # [B] bool, the row drafts with the draft model (`inference.draft`), not n-grams; None:
+    # no row does
+    use_draft: jax.Array | None = None
 
     @classmethod
     def from_params(cls, rows):
-        """The arrays of these rows' SamplingParams."""
+        """The arrays of these rows' SamplingParams (`use_draft` None when no row drafts
+        with a draft model)."""
         col = lambda f: jnp.asarray(np.array([f(r) for r in rows], np.int32))  # noqa: E731
+        drafted = [r.speculative == "draft" for r in rows]
         return cls(k_max=col(lambda r: r.num_speculative_tokens if r.speculative else 0),
                    ngram_min=col(lambda r: r.prompt_lookup_min),
-                   ngram_max=col(lambda r: r.prompt_lookup_max))
+                   ngram_max=col(lambda r: r.prompt_lookup_max),
+                   use_draft=jnp.asarray(drafted) if any(drafted) else None)
 
 
 def width_of(rows) -> int:
@@ -187,18 +193,24 @@ def choose_positions(state: DecodeState, logits_BTV, drafts_BT, has_BT, q_BTV, r
     return tokens.reshape(B, T)
 
 
+def room_lengths(state: DecodeState, spec: SpecState, stops, k_B, limit):
+    """How many of `k_B` drafts each row verifies: at most its adaptive k (none while
+    paused or finished), one less than the tokens it may still emit, and what fits below
+    `limit` (int or `[B]`: positions its cache holds)."""
+    room_B = jnp.minimum(stops.max_new_tokens - state.num_tokens,
+                         limit - state.model.lengths) - 1
+    k_B = jnp.minimum(jnp.minimum(spec.k, k_B), room_B)
+    return jnp.where(~state.done & (spec.pause == 0), jnp.maximum(k_B, 0), 0)
+
+
 def draft_lengths(state: DecodeState, spec: SpecState, arrays: SpecArrays, stops, width: int,
                   limit):
-    """`(drafts_BK, k_B)`: each running row's n-gram drafts and how many to verify: at most
-    its adaptive k (none while paused), the match's length, one less than the tokens it
-    may still emit, and what fits below `limit` (int or `[B]`: positions its cache holds)."""
-    lengths_B = state.model.lengths
-    n_hist_B = jnp.minimum(state.window.shape[1], lengths_B + 1)
+    """`(drafts_BK, k_B)`: each running row's n-gram drafts and how many to verify
+    (`room_lengths`, and at most the match's length)."""
+    n_hist_B = jnp.minimum(state.window.shape[1], state.model.lengths + 1)
     drafts_BK, available_B = ngram_propose(state.window, n_hist_B, arrays.ngram_min,
                                            arrays.ngram_max, width)
-    room_B = jnp.minimum(stops.max_new_tokens - state.num_tokens, limit - lengths_B) - 1
-    k_B = jnp.minimum(jnp.minimum(spec.k, available_B), room_B)
-    return drafts_BK, jnp.where(~state.done & (spec.pause == 0), jnp.maximum(k_B, 0), 0)
+    return drafts_BK, room_lengths(state, spec, stops, available_B, limit)
 
 
 def adapt(spec: SpecState, arrays: SpecArrays, k_B, accepted_B, ran_B) -> SpecState:
@@ -220,21 +232,35 @@ def adapt(spec: SpecState, arrays: SpecArrays, k_B, accepted_B, ran_B) -> SpecSt
 
 def speculative_step(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
                      arrays: SpecArrays, *, width: int, limit, pad_id: int):
-    """One speculative step for every running row: propose, verify in one forward
-    (`verify_fn`, `inference.verify.verifier`), emit and record the accepted drafts and one
-    more token, set the row's cache length to what it accepted. Returns `(state, spec)`."""
-    running_B = ~state.done
+    """One speculative step for every running row: propose n-gram drafts
+    (`draft_lengths`), then `verify_drafts`. Returns `(state, spec)`."""
     drafts_BK, k_B = draft_lengths(state, spec, arrays, stops, width, limit)
+    state, spec, _ = verify_drafts(state, spec, verify_fn, rows, stops, arrays, drafts_BK, k_B,
+                                   None, width=width, pad_id=pad_id)
+    return state, spec
+
+
+def verify_drafts(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
+                  arrays: SpecArrays, drafts_BK, k_B, q_BKV, *, width: int, pad_id: int):
+    """Verify each running row's first `k_B` drafts `drafts_BK` (int32 `[B, width]`) in one
+    forward (`verify_fn`, `inference.verify.verifier`), emit and record the accepted drafts
+    and one more token, set the row's cache length to what it emitted. `q_BKV`: float32
+    `[B, width, V]`, the distribution each draft was drawn from (None: n-gram drafts, q
+    one-hot). Returns `(state, spec, emitted_B)`, emitted_B int32 the tokens each row
+    emitted."""
+    running_B = ~state.done
     lengths_B = state.model.lengths
     fed_BT = jnp.concatenate([state.next_token[:, None], drafts_BK], axis=1)
     logits_BTV, cache = verify_fn(fed_BT, state.model, jnp.where(running_B, k_B + 1, 0))
     V = logits_BTV.shape[-1]
     drafts_BT = jnp.pad(drafts_BK, ((0, 0), (0, 1)))  # position `width` has no draft
     has_BT = jnp.arange(width + 1)[None, :] < k_B[:, None]
+    q_BTV = jax.nn.one_hot(drafts_BT, V) if q_BKV is None else \
+        jnp.pad(q_BKV, ((0, 0), (0, 1), (0, 0)))  # position `width`: no draft
 
     def choose_first(T):  # the first T positions' tokens, padded to width + 1
         tokens_BT = choose_positions(state, logits_BTV[:, :T], drafts_BT[:, :T], has_BT[:, :T],
-                                     jax.nn.one_hot(drafts_BT[:, :T], V), rows, stops, pad_id)
+                                     q_BTV[:, :T], rows, stops, pad_id)
         return jnp.pad(tokens_BT, ((0, 0), (0, width + 1 - T)), constant_values=pad_id)
 
     # a step in which no row drafts decides position 0 only, as a decode step does
@@ -257,7 +283,8 @@ def speculative_step(state: DecodeState, spec: SpecState, verify_fn, rows, stops
     cache = cache.replace(lengths=jnp.where(running_B, lengths_B + emitted_B, cache.lengths))
     # a row that stopped inside its run emitted only accepted drafts
     accepted_B = jnp.minimum(run_B, emitted_B)
-    return state.replace(model=cache), adapt(spec, arrays, k_B, accepted_B, running_B)
+    return (state.replace(model=cache), adapt(spec, arrays, k_B, accepted_B, running_B),
+            emitted_B)
 
 
 def speculative_loop(state: DecodeState, spec: SpecState, verify_fn, rows, stops,

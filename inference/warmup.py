@@ -34,7 +34,8 @@ class Program:
 
 def programs(engine, crop: bool = False) -> list[Program]:
     """Every program `engine.step()` can run (plain decode: speculative chunks and
-    structured-output tables compile their own), prefill shapes first, each once."""
+    structured-output tables compile their own), prefill shapes first, each once; a
+    prefill program with a draft model is two (`compile_all` runs both)."""
     if engine.mixed:
         listed = [Program("mixed", engine.max_slots, n)
                   for n in engine.scheduler.mixed_shapes()]
@@ -72,6 +73,8 @@ def compile_all(engine, crop: bool, rows, stops) -> None:
                 zeros(R, V), zeros(R))))  # padding rows: no effect
             engine.state = (engine.prefill_program or engine_prefill)(
                 engine.params, engine.config, engine.state, table, batch, rows, stops, pad_id=0)
+            if engine.draft is not None:  # its draft model's prefill (`inference.draft_engine`)
+                engine.draft.prefill(table, batch)
         else:
             engine.state = (engine.decode_program or engine_decode)(
                 engine.params, engine.config, engine.state, table, live, rows, stops,
