@@ -38,6 +38,7 @@ from inference.mixed import engine_mixed, mixed_batch
 from inference.sampling import prompt_hash
 from inference.sampling_params import MAX_LOGPROBS, SamplingParams
 from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
+from inference.spec_cost import verify_cost
 from inference.spec_engine import SpecSlots, engine_speculate
 from inference.speculative import width_of
 from inference.steps import PAGE_SIZE, decode_step, prefill
@@ -403,7 +404,9 @@ class Engine:
             width = bucket(width)  # few programs
             self.state, self.spec.state = engine_speculate(
                 self.params, self.config, self.state, self.spec.state, self._page_table(),
-                jnp.asarray(live), rows, stops, self._spec_arrays(),
+                jnp.asarray(live), rows, stops, SpecSlots.arrays(
+                    self.scheduler.active, self.max_slots, self.config.max_seq_len,
+                    verify_cost(self.config, width)),
                 n_rows=decode_rows(max(q.slot for q in running) + 1, self.max_slots),
                 width=width, pad_id=0)
             return

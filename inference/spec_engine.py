@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inference.batching import _first_rows, _put_first_rows
+from inference.spec_cost import cost_array
 from inference.decode import CHUNK, DecodeState
 from inference.speculative import PAUSE_START, SpecArrays, SpecState, speculative_step
 from inference.verify import verifier
@@ -63,16 +64,17 @@ class SpecSlots:
         self.state = jax.tree.map(jnp.copy, SpecState.init(SpecArrays(zeros, zeros, zeros)))
 
     @staticmethod
-    def arrays(active, max_slots: int, max_seq_len: int) -> SpecArrays:
-        """Per-slot settings of the active sequences; a "crop" request (one that may outgrow
-        the context) and a free slot do not speculate."""
+    def arrays(active, max_slots: int, max_seq_len: int, cost: float = 1.0) -> SpecArrays:
+        """Per-slot settings of the active sequences, each weighing `cost`
+        (`SpecArrays.cost`); a "crop" request (one that may outgrow the context) and a free
+        slot do not speculate."""
         k, lo, hi = (np.zeros(max_slots, np.int32) for _ in range(3))
         for q in active:
             sp = q.sampling
             fits = len(q.prompt) + sp.max_new_tokens <= max_seq_len
             k[q.slot] = sp.num_speculative_tokens if sp.speculative and fits else 0
             lo[q.slot], hi[q.slot] = sp.prompt_lookup_min, sp.prompt_lookup_max
-        return SpecArrays(*map(jnp.asarray, (k, lo, hi)))
+        return SpecArrays(*map(jnp.asarray, (k, lo, hi, cost_array(cost, max_slots))))
 
     def insert(self, slots: list[int], arrays: SpecArrays) -> None:
         """Sequences joining the decode batch at `slots` (new, or preempted and admitted
@@ -82,7 +84,8 @@ class SpecSlots:
             s = self.state
             self.state = s.replace(k=s.k.at[at].set(arrays.k_max[at]),
                                    pause=s.pause.at[at].set(0),
-                                   backoff=s.backoff.at[at].set(PAUSE_START))
+                                   backoff=s.backoff.at[at].set(PAUSE_START),
+                                   rate=s.rate.at[at].set(1.0))
 
     def stats(self) -> dict:
         """Totals over every request so far: drafted and accepted tokens, the acceptance
