@@ -23,8 +23,9 @@ import numpy as np
 
 from inference.batching import _first_rows, _put_first_rows
 from inference.spec_cost import cost_array
-from inference.decode import CHUNK, DecodeState
-from inference.speculative import PAUSE_START, SpecArrays, SpecState, speculative_step
+from inference.decode import DecodeState
+from inference.speculative import (NO_RATE, PAUSE_START, SpecArrays, SpecState,
+                                   speculative_chunk)
 from inference.verify import verifier
 
 
@@ -45,11 +46,8 @@ def engine_speculate(params, config, state: DecodeState, spec: SpecState, page_t
     row_args = (jax.tree.map(first, rows), jax.tree.map(first, stops),
                 jax.tree.map(first, arrays))
 
-    def step(carry, _):
-        return speculative_step(*carry, verify_fn, *row_args, width=width, limit=limit_B,
-                                pad_id=pad_id), None
-
-    sub, sub_spec = jax.lax.scan(step, (sub, jax.tree.map(first, spec)), None, length=CHUNK)[0]
+    sub, sub_spec = speculative_chunk(sub, jax.tree.map(first, spec), verify_fn, *row_args,
+                                      width=width, limit=limit_B, pad_id=pad_id)
     put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis=0)  # noqa: E731
     return _put_first_rows(state, sub), jax.tree.map(put, spec, sub_spec)
 
@@ -85,7 +83,7 @@ class SpecSlots:
             self.state = s.replace(k=s.k.at[at].set(arrays.k_max[at]),
                                    pause=s.pause.at[at].set(0),
                                    backoff=s.backoff.at[at].set(PAUSE_START),
-                                   rate=s.rate.at[at].set(1.0))
+                                   rate=s.rate.at[at].set(NO_RATE))
 
     def stats(self) -> dict:
         """Totals over every request so far: drafted and accepted tokens, the acceptance

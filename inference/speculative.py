@@ -53,7 +53,7 @@ from flax import struct
 
 from inference import stopping
 from inference.spec_cost import expected_tokens
-from inference.decode import CHUNK, DecodeState, record_token
+from inference.decode import CHUNK, DecodeState, record_token, sample_and_record
 from inference.sampling import greedy_tokens, prepare_logits, row_keys, scaled_logits
 from inference.sampling_params import MAX_NGRAM
 
@@ -61,6 +61,7 @@ PAUSE_START = 8  # steps a row waits before drafting again, the first time its k
 PAUSE_MAX = 256  # the longest wait, reached by doubling while drafts keep failing
 RATE_DECAY = 0.5  # weight of the previous acceptance rate in the row's running average
 PROBE_LOSS = 0.05  # an unprofitable row waits until a probe costs at most this share of it
+NO_RATE = -1.0  # a row's acceptance rate before its first verification (which it always tries)
 
 
 @struct.dataclass
@@ -101,7 +102,7 @@ class SpecState:
     verifications: jax.Array  # [B] int32, steps in which the row verified drafts
     steps: jax.Array  # [B] int32, forward steps the row ran
     # [B] float32, running average of the share of drafts accepted per verification
-    # (RATE_DECAY); starts at 1 so that a row's first verification is tried
+    # (RATE_DECAY), the first verification's share alone; NO_RATE before it
     rate: jax.Array
 
     @classmethod
@@ -109,7 +110,7 @@ class SpecState:
         zeros = jnp.zeros_like(arrays.k_max)
         return cls(k=arrays.k_max, pause=zeros, backoff=jnp.full_like(zeros, PAUSE_START),
                    drafted=zeros, accepted=zeros, verifications=zeros, steps=zeros,
-                   rate=jnp.ones_like(zeros, jnp.float32))
+                   rate=jnp.full_like(zeros, NO_RATE, jnp.float32))
 
 
 def ngram_propose(window_BW, n_hist_B, ngram_min_B, ngram_max_B, width: int):
@@ -229,11 +230,12 @@ def adapt(spec: SpecState, arrays: SpecArrays, k_B, accepted_B, ran_B) -> SpecSt
     k_next_B = jnp.where(all_B, jnp.minimum(spec.k + 1, arrays.k_max),
                          jnp.where(none_B, spec.k - 1, spec.k))
     share_B = accepted_B / jnp.maximum(k_B, 1)
-    rate_B = jnp.where(verified_B, RATE_DECAY * spec.rate + (1 - RATE_DECAY) * share_B,
-                       spec.rate)
+    average_B = jnp.where(spec.rate >= 0, RATE_DECAY * spec.rate + (1 - RATE_DECAY) * share_B,
+                          share_B)
+    rate_B = jnp.where(verified_B, average_B, spec.rate)
     loss_B = arrays.cost - expected_tokens(rate_B, jnp.maximum(k_next_B, 0))
     failed_B = none_B & (k_next_B <= 0)
-    unprofitable_B = verified_B & (loss_B >= 0)
+    unprofitable_B = verified_B & (loss_B > 0)
     stopped_B = failed_B | unprofitable_B
     wait_B = jnp.where(unprofitable_B, jnp.maximum(
         spec.backoff, jnp.ceil(loss_B / PROBE_LOSS).astype(jnp.int32)), spec.backoff)
@@ -289,17 +291,46 @@ def speculative_step(state: DecodeState, spec: SpecState, verify_fn, rows, stops
     return state.replace(model=cache), adapt(spec, arrays, k_B, accepted_B, running_B)
 
 
-def speculative_loop(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
-                     arrays: SpecArrays, *, width: int, limit, pad_id: int):
-    """Chunks of CHUNK speculative steps (`lax.scan`) inside a `lax.while_loop` until every
-    row has finished, as `inference.decode.decode_loop`. Returns `(state, spec)`."""
+def plain_step(state: DecodeState, spec: SpecState, verify_fn, rows, stops, pad_id: int):
+    """One decode step of every running row, no row drafting: the verification's one-token
+    forward (`verify_fn` fed one token per row) and `decode.sample_and_record`, as
+    `inference.decode.decode_one` runs it, without the speculative step's proposal and
+    bookkeeping. The rows' pauses count down. Returns `(state, spec)`."""
+    running_B = ~state.done
+    logits_BTV, cache = verify_fn(state.next_token[:, None], state.model,
+                                  running_B.astype(jnp.int32))
+    state = sample_and_record(state.replace(model=cache), logits_BTV[:, 0], running_B, rows,
+                              stops, pad_id)
+    return state, spec.replace(pause=jnp.maximum(spec.pause - running_B, 0),
+                               steps=spec.steps + running_B)
+
+
+def speculative_chunk(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
+                      arrays: SpecArrays, *, width: int, limit, pad_id: int):
+    """CHUNK steps (`lax.scan`): speculative steps, or plain decode steps (`plain_step`)
+    when no running row can draft within the chunk (each is paused for CHUNK steps or
+    more, or does not speculate), so rows that stopped drafting pay a decode step's cost,
+    not a speculative step's. Returns `(state, spec)`."""
     def step(carry, _):
         return speculative_step(*carry, verify_fn, rows, stops, arrays, width=width,
                                 limit=limit, pad_id=pad_id), None
 
-    return jax.lax.while_loop(lambda c: ~c[0].done.all(),
-                              lambda c: jax.lax.scan(step, c, None, length=CHUNK)[0],
-                              (state, spec))
+    def plain(carry, _):
+        return plain_step(*carry, verify_fn, rows, stops, pad_id), None
+
+    idle = (state.done | (arrays.k_max == 0) | (spec.pause >= CHUNK)).all()
+    return jax.lax.cond(idle, lambda c: jax.lax.scan(plain, c, None, length=CHUNK)[0],
+                        lambda c: jax.lax.scan(step, c, None, length=CHUNK)[0], (state, spec))
+
+
+def speculative_loop(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
+                     arrays: SpecArrays, *, width: int, limit, pad_id: int):
+    """Chunks of CHUNK steps (`speculative_chunk`) inside a `lax.while_loop` until every
+    row has finished, as `inference.decode.decode_loop`. Returns `(state, spec)`."""
+    return jax.lax.while_loop(
+        lambda c: ~c[0].done.all(),
+        lambda c: speculative_chunk(*c, verify_fn, rows, stops, arrays, width=width,
+                                    limit=limit, pad_id=pad_id), (state, spec))
 
 
 def with_counts(completions, requests, spec: SpecState):
