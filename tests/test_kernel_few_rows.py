@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt_jax import init_cache
+from gpt_jax import init_cache, layers
 from gpt_jax.kernels import few_rows_matmul as few_rows_kernel
 from gpt_jax.params import decode_layout
 from inference.verify import run_verify
@@ -56,6 +56,8 @@ def test_verification_uses_the_kernel_for_few_rows_only(config, params, monkeypa
     params = decode_layout(params)
     logits, hlo = _verify(params, config, 1, 4)
     assert few_rows_kernel.TARGET in hlo
+    x, w = jnp.ones((4, 8)), layers.OutputMajor(jnp.ones((16, 8)))
+    assert few_rows_kernel.TARGET not in jax.jit(w.matmul).lower(x).as_text()  # not verifying
     _, hlo_wide = _verify(params, config, 4, 4, compile=False)  # 16 rows: XLA's product
     assert few_rows_kernel.TARGET not in hlo_wide
     monkeypatch.setattr(few_rows_kernel, "available", lambda: False)

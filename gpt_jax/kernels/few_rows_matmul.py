@@ -65,9 +65,9 @@ def use_kernel(x_MI: jax.Array, w_OI: jax.Array) -> bool:
     `rows_per_call`, several float32 rows per sequence and at most MAX_ROWS in all, float32
     weights of at most MAX_WEIGHT_FLOATS, the kernel `available()`, no
     `gpt_jax.kernels.portable()` context."""
-    rows = x_MI.shape[0] * _SEQUENCES.get()
-    return (1 < x_MI.shape[0] and rows <= MAX_ROWS and w_OI.size <= MAX_WEIGHT_FLOATS
-            and x_MI.dtype == jnp.float32
+    sequences = _SEQUENCES.get()
+    return (sequences > 0 and 1 < x_MI.shape[0] and x_MI.shape[0] * sequences <= MAX_ROWS
+            and w_OI.size <= MAX_WEIGHT_FLOATS and x_MI.dtype == jnp.float32
             and w_OI.dtype == jnp.float32 and not kernels.in_portable() and available())
 
 
