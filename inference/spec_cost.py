@@ -13,8 +13,8 @@ read from memory it approaches one (benchmarks/README.md, "Speculative decoding"
 (log-linear between the calibrated models, held outside them) and linearly in T between
 the measured widths (1 at T = 1, extended past the widest with the last slope). A row
 drafts only while its expected tokens per verification (`expected_tokens`) beat that
-ratio. The ratio sets how often a row drafts, never what it emits: greedy tokens are those
-of decoding without speculation whatever it is.
+ratio. The ratio sets how often a row drafts, never the distribution of what it emits: greedy
+tokens are those of decoding without speculation whatever it is.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from gpt_jax.config import GPTConfig
 # (float32 weight bytes, {T: verification / decode step at batch 1}) per calibrated model:
 # the trained shakespeare-char-llama (0.80M parameters; with the few-rows kernel, mean of two
 # side-by-side runs) and the GPT-2 shape (124M, random; the kernel is not used there),
-# `gpt-jax bench verify_cost` (benchmarks/README.md, "A cost-aware off-switch").
+# `gpt-jax bench verify_cost` (benchmarks/README.md, "Third pass: a few-rows kernel and a
+# cost-aware off-switch").
 CALIBRATION = ((3.2e6, {2: 1.9, 5: 2.9}), (4.98e8, {2: 1.33, 5: 1.89}))
 
 

@@ -10,8 +10,8 @@ in cache, that costs several times the inline product, so a verification of 5 po
 cost 4-8 decode steps (benchmarks/README.md, "Speculative decoding"). The kernel reads each
 weight row once for up to 8 rows, on the calling thread. With more rows (a batch of
 sequences), or weights read from memory (the GPT-2 shape), XNNPACK's product on the thread
-pool was faster as measured (benchmarks/README.md, "A cost-aware off-switch"), so the kernel
-is not used there.
+pool was faster as measured (benchmarks/README.md, "Third pass: a few-rows kernel and a
+cost-aware off-switch"), so the kernel is not used there.
 
 Built, cached and registered by `gpt_jax.kernels.builder` on first use; if it cannot be
 built, a warning says why and XLA's product runs; `GPT_JAX_CPU_KERNEL=0` turns it off, and
