@@ -1,8 +1,9 @@
 """The cost of one speculative verification (T = k + 1 positions per row through the paged
 cache, `inference.verify.run_verify`) against one decode step (`inference.steps.run_step`),
-same model and cache, batch 1 and 8: with the CPU paged-attention kernel reading the pages
-(what a CPU runs) and with XLA's blockwise attention (what it ran before the kernel took
-several positions).
+same model and cache, batch 1 and 8: with the CPU kernels (what a CPU runs: the
+paged-attention kernel reading the pages, and for few rows of small weights the few-rows
+matmul kernel), with XLA's blockwise attention (what it ran before the kernel took several
+positions), and with XNNPACK's matrix products instead of the few-rows kernel.
 
 Usage:
   gpt-jax bench verify_cost
@@ -78,14 +79,14 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--name", default="verify_cost", help="results/NAME.json")
     parser.add_argument("--no-xla", action="store_true",
-                        help="time the kernel's programs only (half the compiles)")
+                        help="time the kernels' programs only (a third of the compiles)")
     args = parser.parse_args(argv)
 
     import jax
 
     from gpt_jax import GPTConfig, init_params
     from gpt_jax.checkpoint import load_params
-    from gpt_jax.kernels import paged_attention
+    from gpt_jax.kernels import few_rows_matmul, paged_attention
     from gpt_jax.params import decode_layout
 
     if args.run_dir:
@@ -94,16 +95,25 @@ def main(argv=None):
         config = GPTConfig.preset(args.preset)
         params = init_params(config, jax.random.key(0))
     params = decode_layout(params)
-    kernel = paged_attention.available
+    kernel, few_rows = paged_attention.available, few_rows_matmul.available
 
     rows = []
     for batch in args.batch:
         fns = programs(params, config, batch, args.length, args.positions, args.steps)
         if not args.no_xla:
-            paged_attention.available = lambda: False  # traced now: XLA's attention
+            paged_attention.available = lambda: False
             xla = programs(params, config, batch, args.length, args.positions, args.steps)
+            for f in xla.values():
+                jax.block_until_ready(f())  # traced now: XLA's attention
             paged_attention.available = kernel
             fns |= {f"{name} (XLA attention)": f for name, f in xla.items()}
+            few_rows_matmul.available = lambda: False
+            xnn = programs(params, config, batch, args.length, args.positions, args.steps)
+            xnn.pop("decode")
+            for f in xnn.values():
+                jax.block_until_ready(f())  # traced now: XNNPACK's products
+            few_rows_matmul.available = few_rows
+            fns |= {f"{name} (XNNPACK products)": f for name, f in xnn.items()}
         for f in fns.values():
             jax.block_until_ready(f())
         times = {name: [] for name in fns}

@@ -26,6 +26,7 @@ from flax import struct
 
 from gpt_jax import kernels
 from gpt_jax.config import GPTConfig
+from gpt_jax.kernels import few_rows_matmul as few_rows_kernel
 from gpt_jax.kernels import int8_matmul as int8_kernel
 
 
@@ -171,8 +172,10 @@ class OutputMajor(Weight):
 
     With many rows (a prefill of `MANY_ROWS` tokens or more per sequence) `matmul` computes
     `x @ w_OI^T` instead: there that orientation is as fast or faster, and its output needs
-    no transpose. A plain embedding table `[V, D]` is one too (`as_weight` with
-    `in_axes=-1`): `rows` is the lookup, `matmul` the tied output projection.
+    no transpose. In a verification of a few positions (`inference.verify`) a CPU kernel
+    computes it (`gpt_jax.kernels.few_rows_matmul`). A plain embedding table `[V, D]` is one
+    too (`as_weight` with `in_axes=-1`): `rows` is the lookup, `matmul` the tied output
+    projection.
     """
 
     w_OI: jax.Array
@@ -180,6 +183,15 @@ class OutputMajor(Weight):
 
     def matmul(self, x_MI: jax.Array, preferred_element_type=None) -> jax.Array:
         """`x @ w^T`, `[M, O]`, in the inputs' dtype or `preferred_element_type`."""
+        if preferred_element_type in (None, jnp.float32) and few_rows_kernel.use_kernel(
+                x_MI, self.w_OI):
+            return kernels.dispatch(True, few_rows_kernel.few_rows_matmul,
+                                    lambda x_MI, w_OI: OutputMajor(w_OI).matmul_xla(x_MI),
+                                    x_MI, self.w_OI)
+        return self.matmul_xla(x_MI, preferred_element_type)
+
+    def matmul_xla(self, x_MI: jax.Array, preferred_element_type=None) -> jax.Array:
+        """`matmul` as XLA computes it."""
         if x_MI.shape[0] >= self.MANY_ROWS:
             return jnp.matmul(x_MI, self.w_OI.T, preferred_element_type=preferred_element_type)
         out_OM = jnp.matmul(self.w_OI, x_MI.T, preferred_element_type=preferred_element_type)

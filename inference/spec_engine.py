@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from inference.batching import _first_rows, _put_first_rows
-from inference.decode import CHUNK, DecodeState
-from inference.speculative import PAUSE_START, SpecArrays, SpecState, speculative_step
+from inference.spec_cost import cost_array
+from inference.decode import DecodeState
+from inference.speculative import (NO_RATE, PAUSE_START, SpecArrays, SpecState,
+                                   speculative_chunk)
 from inference.verify import verifier
 
 
@@ -44,11 +46,8 @@ def engine_speculate(params, config, state: DecodeState, spec: SpecState, page_t
     row_args = (jax.tree.map(first, rows), jax.tree.map(first, stops),
                 jax.tree.map(first, arrays))
 
-    def step(carry, _):
-        return speculative_step(*carry, verify_fn, *row_args, width=width, limit=limit_B,
-                                pad_id=pad_id), None
-
-    sub, sub_spec = jax.lax.scan(step, (sub, jax.tree.map(first, spec)), None, length=CHUNK)[0]
+    sub, sub_spec = speculative_chunk(sub, jax.tree.map(first, spec), verify_fn, *row_args,
+                                      width=width, limit=limit_B, pad_id=pad_id)
     put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis=0)  # noqa: E731
     return _put_first_rows(state, sub), jax.tree.map(put, spec, sub_spec)
 
@@ -63,9 +62,10 @@ class SpecSlots:
         self.state = jax.tree.map(jnp.copy, SpecState.init(SpecArrays(zeros, zeros, zeros)))
 
     @staticmethod
-    def arrays(active, max_slots: int, max_seq_len: int) -> SpecArrays:
-        """Per-slot settings of the active sequences (`use_draft` None when none drafts
-        with a draft model); a "crop" request (one that may outgrow the context) and a free
+    def arrays(active, max_slots: int, max_seq_len: int, cost: float = 1.0) -> SpecArrays:
+        """Per-slot settings of the active sequences, each weighing `cost`
+        (`SpecArrays.cost`; `use_draft` None when none drafts with a draft model); a "crop"
+        request (one that may outgrow the context) and a free
         slot do not speculate."""
         k, lo, hi = (np.zeros(max_slots, np.int32) for _ in range(3))
         use_draft = np.zeros(max_slots, bool)
@@ -76,7 +76,8 @@ class SpecSlots:
             lo[q.slot], hi[q.slot] = sp.prompt_lookup_min, sp.prompt_lookup_max
             use_draft[q.slot] = sp.speculative == "draft" and fits
         return SpecArrays(*map(jnp.asarray, (k, lo, hi)),
-                          use_draft=jnp.asarray(use_draft) if use_draft.any() else None)
+                          use_draft=jnp.asarray(use_draft) if use_draft.any() else None,
+                          cost=jnp.asarray(cost_array(cost, max_slots)))
 
     def insert(self, slots: list[int], arrays: SpecArrays) -> None:
         """Sequences joining the decode batch at `slots` (new, or preempted and admitted
@@ -86,7 +87,8 @@ class SpecSlots:
             s = self.state
             self.state = s.replace(k=s.k.at[at].set(arrays.k_max[at]),
                                    pause=s.pause.at[at].set(0),
-                                   backoff=s.backoff.at[at].set(PAUSE_START))
+                                   backoff=s.backoff.at[at].set(PAUSE_START),
+                                   rate=s.rate.at[at].set(NO_RATE))
 
     def stats(self) -> dict:
         """Totals over every request so far: drafted and accepted tokens, the acceptance

@@ -32,8 +32,12 @@ row's own tokens.
 Adaptive draft length: a row starts at its `num_speculative_tokens`; a verification that
 accepts every draft raises k by one (up to that), one that accepts none lowers it by one;
 at zero the row pauses drafting for PAUSE_START steps, doubling (to PAUSE_MAX) while its
-drafts keep failing, then tries k = 1 again. A chunk step where no row drafts runs the
-plain decode step (`inference.verify.verifier`).
+drafts keep failing, then tries k = 1 again. Cost-aware: the row also pauses (at least
+PAUSE_START steps, longer the more a verification would lose: see `adapt`) when the tokens
+it expects from a verification at its recent acceptance rate (`spec_cost.expected_tokens`)
+do not beat what a verification costs in decode steps (`SpecArrays.cost`,
+`spec_cost.verify_cost`), and probes again after the pause. A chunk step where no row
+drafts runs the plain decode step (`inference.verify.verifier`).
 
 Shapes: the letters of `gpt_jax.model`, W a row's window of its last tokens
 (`inference.decode`), and here G the n-gram length and K the drafts per step (the batch's
@@ -48,12 +52,16 @@ import numpy as np
 from flax import struct
 
 from inference import stopping
-from inference.decode import CHUNK, DecodeState, record_token
+from inference.spec_cost import expected_tokens
+from inference.decode import CHUNK, DecodeState, record_token, sample_and_record
 from inference.sampling import greedy_tokens, prepare_logits, row_keys, scaled_logits
 from inference.sampling_params import MAX_NGRAM
 
 PAUSE_START = 8  # steps a row waits before drafting again, the first time its k reaches 0
 PAUSE_MAX = 256  # the longest wait, reached by doubling while drafts keep failing
+RATE_DECAY = 0.5  # weight of the previous acceptance rate in the row's running average
+PROBE_LOSS = 0.05  # an unprofitable row waits until a probe costs at most this share of it
+NO_RATE = -1.0  # a row's acceptance rate before its first verification (which it always tries)
 
 
 @struct.dataclass
@@ -66,17 +74,21 @@ class SpecArrays:
     # [B] bool, the row drafts with the draft model (`inference.draft`), not n-grams; None:
     # no row does
     use_draft: jax.Array | None = None
+    # [B] float32, decode steps a verification costs (`spec_cost.verify_cost`); a row drafts
+    # while it expects more tokens per verification. 1: only failing drafts stop it
+    cost: jax.Array | float = 1.0
 
     @classmethod
-    def from_params(cls, rows):
-        """The arrays of these rows' SamplingParams (`use_draft` None when no row drafts
-        with a draft model)."""
+    def from_params(cls, rows, cost: float = 1.0):
+        """The arrays of these rows' SamplingParams, each row weighing `cost` (`use_draft`
+        None when no row drafts with a draft model)."""
         col = lambda f: jnp.asarray(np.array([f(r) for r in rows], np.int32))  # noqa: E731
         drafted = [r.speculative == "draft" for r in rows]
         return cls(k_max=col(lambda r: r.num_speculative_tokens if r.speculative else 0),
                    ngram_min=col(lambda r: r.prompt_lookup_min),
                    ngram_max=col(lambda r: r.prompt_lookup_max),
-                   use_draft=jnp.asarray(drafted) if any(drafted) else None)
+                   use_draft=jnp.asarray(drafted) if any(drafted) else None,
+                   cost=jnp.full((len(rows),), cost, jnp.float32))
 
 
 def width_of(rows) -> int:
@@ -95,12 +107,16 @@ class SpecState:
     accepted: jax.Array  # [B] int32, of those, accepted
     verifications: jax.Array  # [B] int32, steps in which the row verified drafts
     steps: jax.Array  # [B] int32, forward steps the row ran
+    # [B] float32, running average of the share of drafts accepted per verification
+    # (RATE_DECAY), the first verification's share alone; NO_RATE before it
+    rate: jax.Array
 
     @classmethod
     def init(cls, arrays: SpecArrays):
         zeros = jnp.zeros_like(arrays.k_max)
         return cls(k=arrays.k_max, pause=zeros, backoff=jnp.full_like(zeros, PAUSE_START),
-                   drafted=zeros, accepted=zeros, verifications=zeros, steps=zeros)
+                   drafted=zeros, accepted=zeros, verifications=zeros, steps=zeros,
+                   rate=jnp.full_like(zeros, NO_RATE, jnp.float32))
 
 
 def ngram_propose(window_BW, n_hist_B, ngram_min_B, ngram_max_B, width: int):
@@ -215,19 +231,34 @@ def draft_lengths(state: DecodeState, spec: SpecState, arrays: SpecArrays, stops
 
 def adapt(spec: SpecState, arrays: SpecArrays, k_B, accepted_B, ran_B) -> SpecState:
     """The counters and next draft length after a step that verified `k_B` drafts per row
-    and accepted `accepted_B` (see the module docstring)."""
+    and accepted `accepted_B` (see the module docstring). A row that failed every draft at
+    k = 1 pauses for its backoff; one whose expected tokens per verification at its next k
+    and running acceptance rate are at most `arrays.cost` (unprofitable) pauses for its
+    backoff or, if longer, until the probe's expected loss (cost - expected tokens, in
+    steps) is PROBE_LOSS of the wait, at most PAUSE_MAX; the backoff doubles after either.
+    Reads only the row's own values."""
     verified_B = k_B > 0
     all_B, none_B = verified_B & (accepted_B == k_B), verified_B & (accepted_B == 0)
     k_next_B = jnp.where(all_B, jnp.minimum(spec.k + 1, arrays.k_max),
                          jnp.where(none_B, spec.k - 1, spec.k))
-    stopped_B = none_B & (k_next_B <= 0)
+    share_B = accepted_B / jnp.maximum(k_B, 1)
+    average_B = jnp.where(spec.rate >= 0, RATE_DECAY * spec.rate + (1 - RATE_DECAY) * share_B,
+                          share_B)
+    rate_B = jnp.where(verified_B, average_B, spec.rate)
+    loss_B = arrays.cost - expected_tokens(rate_B, jnp.maximum(k_next_B, 0))
+    failed_B = none_B & (k_next_B <= 0)
+    unprofitable_B = verified_B & (loss_B > 0)
+    stopped_B = failed_B | unprofitable_B
+    wait_B = jnp.where(unprofitable_B, jnp.maximum(
+        spec.backoff, jnp.ceil(loss_B / PROBE_LOSS).astype(jnp.int32)), spec.backoff)
     return spec.replace(
-        k=jnp.where(stopped_B, jnp.minimum(1, arrays.k_max), k_next_B),
-        pause=jnp.where(stopped_B, spec.backoff, jnp.maximum(spec.pause - ran_B, 0)),
+        k=jnp.where(failed_B, jnp.minimum(1, arrays.k_max), k_next_B),
+        pause=jnp.where(stopped_B, jnp.minimum(wait_B, PAUSE_MAX),
+                        jnp.maximum(spec.pause - ran_B, 0)),
         backoff=jnp.where(stopped_B, jnp.minimum(2 * spec.backoff, PAUSE_MAX),
                           jnp.where(accepted_B > 0, PAUSE_START, spec.backoff)),
         drafted=spec.drafted + k_B, accepted=spec.accepted + accepted_B,
-        verifications=spec.verifications + verified_B, steps=spec.steps + ran_B)
+        verifications=spec.verifications + verified_B, steps=spec.steps + ran_B, rate=rate_B)
 
 
 def speculative_step(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
@@ -287,17 +318,46 @@ def verify_drafts(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
             emitted_B)
 
 
-def speculative_loop(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
-                     arrays: SpecArrays, *, width: int, limit, pad_id: int):
-    """Chunks of CHUNK speculative steps (`lax.scan`) inside a `lax.while_loop` until every
-    row has finished, as `inference.decode.decode_loop`. Returns `(state, spec)`."""
+def plain_step(state: DecodeState, spec: SpecState, verify_fn, rows, stops, pad_id: int):
+    """One decode step of every running row, no row drafting: the verification's one-token
+    forward (`verify_fn` fed one token per row) and `decode.sample_and_record`, as
+    `inference.decode.decode_one` runs it, without the speculative step's proposal and
+    bookkeeping. The rows' pauses count down. Returns `(state, spec)`."""
+    running_B = ~state.done
+    logits_BTV, cache = verify_fn(state.next_token[:, None], state.model,
+                                  running_B.astype(jnp.int32))
+    state = sample_and_record(state.replace(model=cache), logits_BTV[:, 0], running_B, rows,
+                              stops, pad_id)
+    return state, spec.replace(pause=jnp.maximum(spec.pause - running_B, 0),
+                               steps=spec.steps + running_B)
+
+
+def speculative_chunk(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
+                      arrays: SpecArrays, *, width: int, limit, pad_id: int):
+    """CHUNK steps (`lax.scan`): speculative steps, or plain decode steps (`plain_step`)
+    when no running row can draft within the chunk (each is paused for CHUNK steps or
+    more, or does not speculate), so rows that stopped drafting pay a decode step's cost,
+    not a speculative step's. Returns `(state, spec)`."""
     def step(carry, _):
         return speculative_step(*carry, verify_fn, rows, stops, arrays, width=width,
                                 limit=limit, pad_id=pad_id), None
 
-    return jax.lax.while_loop(lambda c: ~c[0].done.all(),
-                              lambda c: jax.lax.scan(step, c, None, length=CHUNK)[0],
-                              (state, spec))
+    def plain(carry, _):
+        return plain_step(*carry, verify_fn, rows, stops, pad_id), None
+
+    idle = (state.done | (arrays.k_max == 0) | (spec.pause >= CHUNK)).all()
+    return jax.lax.cond(idle, lambda c: jax.lax.scan(plain, c, None, length=CHUNK)[0],
+                        lambda c: jax.lax.scan(step, c, None, length=CHUNK)[0], (state, spec))
+
+
+def speculative_loop(state: DecodeState, spec: SpecState, verify_fn, rows, stops,
+                     arrays: SpecArrays, *, width: int, limit, pad_id: int):
+    """Chunks of CHUNK steps (`speculative_chunk`) inside a `lax.while_loop` until every
+    row has finished, as `inference.decode.decode_loop`. Returns `(state, spec)`."""
+    return jax.lax.while_loop(
+        lambda c: ~c[0].done.all(),
+        lambda c: speculative_chunk(*c, verify_fn, rows, stops, arrays, width=width,
+                                    limit=limit, pad_id=pad_id), (state, spec))
 
 
 def with_counts(completions, requests, spec: SpecState):

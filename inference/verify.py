@@ -8,9 +8,10 @@ tokens of one sequence attend to its pages and causally to each other
 stored (`gpt_jax.cache.write`); the caller then sets the row's length to the tokens it
 accepted, so keys and values past it are overwritten later. On CPU the T positions read the
 row's pages in one pass of the decode kernel (`gpt_jax.attention.KERNEL_MAX_NEW_TOKENS`), as
-a decode step does. A chunk step in which no row drafts feeds only position 0 (the decode
-step's work), so rows that stopped drafting pay nothing for the others' speculation once
-all have.
+a decode step does, and with few rows in all (batch times T, up to 8) the matrix products
+run in a CPU kernel (`gpt_jax.kernels.few_rows_matmul`) instead of XNNPACK. A chunk step in
+which no row drafts feeds only position 0 (the decode step's work), so rows that stopped
+drafting pay nothing for the others' speculation once all have.
 
 Shapes: the letters of `gpt_jax.model`; here T = width + 1, the fed positions.
 """
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 
 from gpt_jax import cache as kv
 from gpt_jax.cache import CACHE_ROW_AXES
+from gpt_jax.kernels import few_rows_matmul as few_rows_kernel
 from gpt_jax.model import lm_head, transformer
 from gpt_jax.params import decode_layout
 
@@ -37,8 +39,9 @@ def _forward(params, config, tokens_BT, cache):
     """Every row's logits and new keys and values for `tokens_BT` fed at its length, the
     pools only read: `(logits_BTV, (k_LBTKH, v_LBTKH))`."""
     row = functools.partial(_verify_row, config=config)
-    return jax.vmap(row, in_axes=(None, 0, CACHE_ROW_AXES, None))(
-        params, tokens_BT, cache, cache.lengths.max())
+    with few_rows_kernel.rows_per_call(tokens_BT.shape[0]):  # few rows: the CPU kernel
+        return jax.vmap(row, in_axes=(None, 0, CACHE_ROW_AXES, None))(
+            params, tokens_BT, cache, cache.lengths.max())
 
 
 def run_verify(params, config, tokens_BT, cache, n_valid_B):

@@ -178,7 +178,10 @@ def test_speculative_requests_served_together_return_the_tokens_of_speculation_o
     off, on = answers[:len(variants)], answers[len(variants):]
     assert sum(reason == "stop" for _, reason, _ in off) >= 3  # stops inside the text
     assert on == off
-    assert metric(url, "gpt_jax:spec_decode_num_accepted_tokens") > accepted + 20
+    # drafts were accepted (fewer than verified drafts would allow: the cost-aware switch
+    # pauses a row whose expected tokens per verification do not beat its cost on CPU,
+    # `inference.spec_cost`)
+    assert metric(url, "gpt_jax:spec_decode_num_accepted_tokens") > accepted + 10
 
 
 # ---------------------------------------------------------------------- 3. errors

@@ -13,7 +13,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from gpt_jax import GPTConfig
-from inference import SamplingParams, generate, speculative
+from inference import SamplingParams, generate, spec_cost, speculative
 from inference.errors import RequestError
 from tests.conftest import lively_params
 
@@ -180,6 +180,27 @@ def test_adaptive_draft_length_pauses_and_recovers():
     spec = speculative.adapt(spec.replace(pause=jnp.array([0])), arrays, jnp.array([1]),
                              jnp.array([1]), one)  # all accepted: k grows again
     assert (int(spec.k[0]), int(spec.accepted[0]), int(spec.drafted[0])) == (2, 1, 3 + 2 + 1 + 1)
+
+
+def test_cost_aware_switch_pauses_unprofitable_rows_only():
+    """Two rows accepting half their drafts (1.9 expected tokens per verification at k = 3):
+    the row whose verification costs 3 decode steps pauses, long enough for a probe to lose
+    at most PROBE_LOSS of the wait; the one at cost 1 keeps drafting. The ratio follows the
+    calibration (1 at T = 1, dearer for small models than for the GPT-2 shape)."""
+    arrays = speculative.SpecArrays(k_max=jnp.array([3, 3]), ngram_min=jnp.array([1, 1]),
+                                    ngram_max=jnp.array([3, 3]), cost=jnp.array([3.0, 1.0]))
+    spec = speculative.SpecState.init(arrays).replace(rate=jnp.array([0.5, 0.5]))
+    spec = speculative.adapt(spec, arrays, jnp.array([2, 2]), jnp.array([1, 1]),
+                             jnp.array([True, True]))
+    expected = float(spec_cost.expected_tokens(0.5, 3))
+    assert spec.pause.tolist() == [int(np.ceil((3.0 - expected) / speculative.PROBE_LOSS)), 0]
+    assert spec.k.tolist() == [3, 3] and spec.backoff.tolist() == [
+        2 * speculative.PAUSE_START, speculative.PAUSE_START]
+    small, gpt2 = GPTConfig.preset("shakespeare-char-llama"), GPTConfig.preset("gpt2")
+    assert spec_cost.verify_cost(small, 0) == 1.0
+    assert spec_cost.verify_cost(small, 4) > spec_cost.verify_cost(gpt2, 4) > 1.0
+    with pytest.raises(ValueError, match="width"):
+        spec_cost.verify_cost(small, -1)
 
 
 @pytest.mark.parametrize("field,value", [("speculative", "medusa"),
