@@ -34,7 +34,7 @@ from inference.decode import CHUNK, init_state, widen_recent
 from inference.detokenize import RequestOutput, request_output, sequence_text
 from inference.errors import RequestError
 from inference.generation import generate_program
-from inference.mixed import engine_mixed, mixed_batch
+from inference.mixed import blocks, engine_mixed, mixed_batch
 from inference.sampling import prompt_hash
 from inference.sampling_params import MAX_LOGPROBS, SamplingParams
 from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
@@ -379,12 +379,15 @@ class Engine:
         """One mixed step (`inference.mixed`): a token of each `decode` sequence and the
         chunks of `work`, in one call."""
         rows, stops = self._row_arrays()
+        padded = sum(blocks(w.n) for w in work)
+        n_prompt = min(n for n in self.scheduler.mixed_shapes() if n >= padded)
+        n_rows = self.scheduler.mixed_rows(len(decode))
         batch = mixed_batch(decode, work, self.max_slots, self.config.vocab_size,
                             self.state.recent.shape[1], self.state.window.shape[1],
-                            self.tokenizer)
+                            self.tokenizer, n_prompt=n_prompt, n_rows=n_rows)
         self.state = (self.mixed_program or engine_mixed)(
             self.params, self.config, self.state, self._page_table(), batch, rows, stops,
-            pad_id=0)
+            n_rows=n_rows, pad_id=0)
         self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
 
     def _spec_arrays(self):

@@ -171,12 +171,13 @@ class Scheduler:
         take turns); else a decode chunk for every running sequence, preempting as pages
         require (all of them, in a corner case: then nothing runs). With `mixed` (the engine
         runs mixed steps, `inference.mixed`), prompts go in as `mixed_work` and, when every
-        running sequence can (`mixable`), one step decodes one token of each of them and
-        prefills in the same call (stall-free batching): no turns."""
+        running sequence can (`mixable`), one call prefills and decodes a chunk of
+        `decode_chunk` tokens of each of them (a mixed step, then decode steps: stall-free
+        batching), no turns."""
         self.admit()
         prefilling = any(s.status == Status.PREFILLING for s in self.active)
         if mixed and prefilling and self.running() and all(map(self.mixable, self.running())):
-            preempted = self.reserve_decode(1)
+            preempted = self.reserve_decode(self.decode_chunk)
             decode = self.running()
             return SchedulerPlan(prefill=self.mixed_work(len(decode)), decode=decode,
                                  preempted=preempted, mixed=True)
@@ -307,18 +308,26 @@ class Scheduler:
         return best[1]
 
     def mixable(self, seq: Sequence) -> bool:
-        """Whether a running sequence can decode inside a mixed step: not speculative, and
-        its next token's position inside the context (a "crop" request past it needs its
-        window forward, `inference.steps.window_logits`)."""
-        return not seq.sampling.speculative and seq.length <= self.max_seq_len
+        """Whether a running sequence can decode inside a mixed chunk (a mixed step, then
+        decode steps: `decode_chunk` tokens): not speculative, and no token of the chunk past
+        the context (a "crop" request there needs its window forward,
+        `inference.steps.window_logits`)."""
+        sp = seq.sampling
+        return not sp.speculative and (seq.length + self.decode_chunk <= self.max_seq_len
+                                       or len(seq.prompt) + sp.max_new_tokens <= self.max_seq_len)
 
     def mixed_shapes(self) -> list[int]:
-        """Every count of prompt tokens a mixed step can take besides its max_slots decode
-        tokens (powers of two from MIN_PROMPT_BUCKET up to the bucket of the budget,
-        `mixed_work`), the programs `Engine.warmup` compiles for mixed steps."""
+        """Every count of prompt tokens a mixed step can take besides its decode tokens: the
+        bucket of the budget (`mixed_work`) and the two powers of two below it, at least
+        MIN_PROMPT_BUCKET (a smaller chunk pads to the least: few programs), ascending."""
         most = bucket(self.max_prefill_tokens, MIN_PROMPT_BUCKET)
-        return [1 << k for k in range(MIN_PROMPT_BUCKET.bit_length() - 1,
-                                      most.bit_length())]
+        return sorted({max(most >> k, MIN_PROMPT_BUCKET) for k in range(3)})
+
+    def mixed_rows(self, n_decode: int) -> int:
+        """Decode rows of a mixed step that decodes `n_decode` sequences, gathered compactly:
+        half the slots when they fit, else all (two programs per prompt shape)."""
+        half = self.max_slots // 2
+        return half if half and n_decode <= half else self.max_slots
 
     def mixed_work(self, n_decode: int) -> list[PrefillWork]:
         """Chunks of the prefilling sequences for a mixed step that also decodes `n_decode`
