@@ -81,9 +81,9 @@ class Engine:
     prompt tokens (a long prompt goes in over several steps: chunked prefill), which samples
     the first token of every prompt it completes, or one chunk of `CHUNK` decode steps for
     every running request (gathered compactly) as one compiled `lax.scan`. With both to do, a
-    mixed step (`inference.mixed`) runs a prompt chunk and one decode token of every running
-    request in one call (without mixed steps, or for speculative or "crop" rows past the
-    context, prefill and decode chunks take turns). When the pages cannot hold
+    mixed chunk (`inference.mixed`) runs a prompt chunk with the first of CHUNK decode steps
+    of every running request in one call (without mixed steps, or for speculative rows or
+    "crop" rows near the context, prefill and decode chunks take turns). When the pages cannot hold
     the next chunk of every running request, the most recently admitted request is
     preempted (pages freed, output kept) and recomputed when a slot and pages free up. The
     engine runs the plan's program; the scheduler advances the sequences from what it
@@ -120,11 +120,11 @@ class Engine:
         benchmarks/README.md, "Serving").
       mesh: a `jax.sharding.Mesh` with a "model" axis: weights and KV pages split over it
         (`gpt_jax.tensor_parallel`), the same tokens as on one device; `stats()["mesh"]`.
-      mixed_steps: True: prompts are prefilled inside the decode steps of the running
-        requests (`inference.mixed`; not with a mesh); False (the default): prefill calls
-        and decode chunks take turns. Both give the same tokens; on CPU mixed steps still
-        raise the running requests' p99 time per token under a long prompt (prompt tokens
-        attend through XLA, not a CPU kernel: benchmarks/README.md, "Serving").
+      mixed_steps: True: prompts are prefilled inside the decode chunks of the running
+        requests (`inference.mixed`; not with a mesh), a prompt budget per call of a share
+        of its decode tokens (`inference.scheduler.MIXED_PROMPT_SHARE`, at most
+        `max_prefill_tokens`); False (the default): prefill calls and decode chunks take
+        turns. Both give the same tokens (benchmarks/README.md, "Serving": the figures).
     Raises:
       ValueError: a size that is not an int >= 1 (the message names it), both num_pages and
         kv_cache_bytes given, kv_cache_bytes below one page, prefix_caching not a bool, a

@@ -21,6 +21,11 @@ from inference.sampling_params import SamplingParams  # plain Python: no JAX her
 
 MIN_PROMPT_BUCKET = 16  # the shortest padded prompt length of a prefill call
 
+# Prompt tokens of a mixed chunk per decode token it runs (`Scheduler.mixed_work`): on CPU
+# a step costs about in proportion to its tokens, so a mixed chunk of n decoding rows costs
+# about 1 + this share of a decode chunk (the stall bound; benchmarks/README.md, "Serving").
+MIXED_PROMPT_SHARE = 0.25
+
 
 class Status(enum.Enum):
     WAITING = "waiting"  # queued (new, or preempted with its progress kept)
@@ -330,13 +335,17 @@ class Scheduler:
         return half if half and n_decode <= half else self.max_slots
 
     def mixed_work(self, n_decode: int) -> list[PrefillWork]:
-        """Chunks of the prefilling sequences for a mixed step that also decodes `n_decode`
-        tokens, in admission order: the step's budget of `max_prefill_tokens` query tokens,
-        less the decode tokens (which go first, Sarathi-Serve's order) but at least
-        MIN_PROMPT_BUCKET, so prompts go in while any number of sequences decode; each
-        sequence at most `prefill_chunk_tokens` per step, its chunk taking whole query
-        blocks of MIN_PROMPT_BUCKET tokens of the budget (`gpt_jax.ragged.QUERY_BLOCK`)."""
-        budget = max(self.max_prefill_tokens - n_decode, MIN_PROMPT_BUCKET)
+        """Chunks of the prefilling sequences for a mixed chunk that also decodes `n_decode`
+        sequences `decode_chunk` tokens each, in admission order. The prompt budget: with
+        none decoding, `max_prefill_tokens`; else MIXED_PROMPT_SHARE of the chunk's decode
+        tokens (so the call costs at most about 1 + that share of a decode chunk on CPU,
+        where cost follows tokens), in whole blocks of MIN_PROMPT_BUCKET tokens, at least
+        one (prompts go in while any number decode), at most `max_prefill_tokens`. Each
+        sequence at most `prefill_chunk_tokens` per call, its chunk taking whole query
+        blocks of the budget (`gpt_jax.ragged.QUERY_BLOCK`)."""
+        share = int(MIXED_PROMPT_SHARE * self.decode_chunk * n_decode)
+        budget = self.max_prefill_tokens if n_decode == 0 else min(
+            self.max_prefill_tokens, max(share - share % MIN_PROMPT_BUCKET, MIN_PROMPT_BUCKET))
         work = []
         for seq in (s for s in self.active if s.status == Status.PREFILLING):
             n = min(len(seq.target) - seq.prefilled, self.prefill_chunk_tokens, budget)
