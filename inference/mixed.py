@@ -126,7 +126,8 @@ def engine_mixed(params, config, state: DecodeState, page_table, batch: MixedBat
     steps, gathered compactly as in `batching.engine_decode`: a decoding request gets
     CHUNK tokens per call with or without a prompt going in, and the call's fixed cost
     (dispatch, host arrays, the read back) is paid once per CHUNK tokens, as a decode
-    chunk's. `state` is donated."""
+    chunk's. `n_rows` (static): the decode rows, the first n_rows of the N tokens
+    (`Scheduler.mixed_rows`: at least the decoded count). `state` is donated."""
     B = state.done.shape[0]
     slot_N = batch.slot
     tokens_N = jnp.where(batch.decode, state.next_token[jnp.minimum(slot_N, B - 1)],
