@@ -35,7 +35,7 @@ from inference.detokenize import RequestOutput, request_output, sequence_text
 from inference.draft_engine import EngineDraft, draft_prefill, engine_draft_speculate
 from inference.errors import RequestError
 from inference.generation import generate_program
-from inference.mixed import engine_mixed, mixed_batch
+from inference.mixed import blocks, engine_mixed, mixed_batch
 from inference.sampling import prompt_hash
 from inference.sampling_params import MAX_LOGPROBS, SamplingParams
 from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
@@ -84,9 +84,9 @@ class Engine:
     prompt tokens (a long prompt goes in over several steps: chunked prefill), which samples
     the first token of every prompt it completes, or one chunk of `CHUNK` decode steps for
     every running request (gathered compactly) as one compiled `lax.scan`. With both to do, a
-    mixed step (`inference.mixed`) runs a prompt chunk and one decode token of every running
-    request in one call (without mixed steps, or for speculative or "crop" rows past the
-    context, prefill and decode chunks take turns). When the pages cannot hold
+    mixed chunk (`inference.mixed`) runs a prompt chunk with the first of CHUNK decode steps
+    of every running request in one call (without mixed steps, or for speculative rows or
+    "crop" rows near the context, prefill and decode chunks take turns). When the pages cannot hold
     the next chunk of every running request, the most recently admitted request is
     preempted (pages freed, output kept) and recomputed when a slot and pages free up. The
     engine runs the plan's program; the scheduler advances the sequences from what it
@@ -123,11 +123,11 @@ class Engine:
         benchmarks/README.md, "Serving").
       mesh: a `jax.sharding.Mesh` with a "model" axis: weights and KV pages split over it
         (`gpt_jax.tensor_parallel`), the same tokens as on one device; `stats()["mesh"]`.
-      mixed_steps: True: prompts are prefilled inside the decode steps of the running
-        requests (`inference.mixed`; not with a mesh); False (the default): prefill calls
-        and decode chunks take turns. Both give the same tokens; on CPU mixed steps still
-        raise the running requests' p99 time per token under a long prompt (prompt tokens
-        attend through XLA, not a CPU kernel: benchmarks/README.md, "Serving").
+      mixed_steps: True: prompts are prefilled inside the decode chunks of the running
+        requests (`inference.mixed`; not with a mesh), a prompt budget per call of a share
+        of its decode tokens (`inference.scheduler.MIXED_PROMPT_SHARE`, at most
+        `max_prefill_tokens`); False (the default): prefill calls and decode chunks take
+        turns. Both give the same tokens (benchmarks/README.md, "Serving": the figures).
       draft: `(params, config)` of a draft model for `speculative="draft"` requests
         (`inference.draft_engine`; not with a mesh or mixed steps).
     Raises:
@@ -399,12 +399,15 @@ class Engine:
         """One mixed step (`inference.mixed`): a token of each `decode` sequence and the
         chunks of `work`, in one call."""
         rows, stops = self._row_arrays()
+        padded = sum(blocks(w.n) for w in work)
+        n_prompt = min(n for n in self.scheduler.mixed_shapes() if n >= padded)
+        n_rows = self.scheduler.mixed_rows(len(decode))
         batch = mixed_batch(decode, work, self.max_slots, self.config.vocab_size,
                             self.state.recent.shape[1], self.state.window.shape[1],
-                            self.tokenizer)
+                            self.tokenizer, n_prompt=n_prompt, n_rows=n_rows)
         self.state = (self.mixed_program or engine_mixed)(
             self.params, self.config, self.state, self._page_table(), batch, rows, stops,
-            pad_id=0)
+            n_rows=n_rows, pad_id=0)
         self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
 
     def _spec_arrays(self, cost: float = 1.0):

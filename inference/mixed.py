@@ -1,15 +1,17 @@
-"""The Engine's mixed step: one program that runs the decode token of every running sequence
-and chunks of waiting prompts as one flattened batch of N query tokens over the paged cache
-(`gpt_jax.ragged`), decode tokens first (Sarathi-Serve's stall-free batching, Agrawal et
-al. 2024; vLLM v1's scheduler), then samples the next token of every decoded row and the
-first token of every prompt the step completes. A long prompt goes in over several steps
-while the others keep decoding, one token each per step. One compiled program per count
-of prompt tokens (`Scheduler.mixed_shapes`), whatever the mix.
+"""The Engine's mixed chunk: one program that runs the decode token of every running
+sequence and chunks of waiting prompts as one flattened batch of N query tokens over the
+paged cache (`gpt_jax.ragged`), decode tokens first (Sarathi-Serve's stall-free batching,
+Agrawal et al. 2024; vLLM v1's scheduler), samples the next token of every decoded row and
+the first token of every prompt the step completes, then runs CHUNK - 1 decode steps of the
+decoded rows. A long prompt goes in over several calls while the others keep decoding,
+CHUNK tokens each per call, as in a decode chunk. One compiled program per count of decode
+rows and of prompt tokens (`Scheduler.mixed_rows`, `Scheduler.mixed_shapes`), whatever
+the mix.
 
-Shapes: the letters of `gpt_jax.model`; N the step's query tokens (max_slots single ones
-for the decode rows, then the prompt chunks' blocks), R = max_slots the rows it samples
-(a decode row, or a prompt it completes), W a row's window
-(`inference.decode`); `recent_width` counts a row's recent tokens.
+Shapes: the letters of `gpt_jax.model`; N the step's query tokens (n_rows single ones for
+the decode rows, then the prompt chunks' blocks), R = max_slots the rows it samples (a
+decode row, or a prompt it completes), W a row's window (`inference.decode`);
+`recent_width` counts a row's recent tokens.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from gpt_jax import cache as kv
 from gpt_jax.model import lm_head
 from gpt_jax.ragged import QUERY_BLOCK, ragged_transformer
 from inference import stopping
-from inference.batching import _gather_rows, _scatter_rows, put_history
-from inference.decode import DecodeState, sample_and_record
+from inference.batching import _gather_rows, _scatter_rows, live_slots, put_history
+from inference.decode import CHUNK, DecodeState, decode_chunk, sample_and_record
 from inference.scheduler import MIN_PROMPT_BUCKET, PrefillWork, Sequence, bucket
+from inference.steps import run_step
 
 
 @struct.dataclass
@@ -52,14 +55,15 @@ class MixedBatch:
 
 def mixed_batch(decode: list[Sequence], work: list[PrefillWork], max_slots: int,
                 vocab_size: int, recent_width: int, window_width: int, tokenizer=None,
-                n_prompt: int | None = None) -> MixedBatch:
-    """The host arrays of a mixed step: max_slots single tokens, the `decode` sequences'
-    first (one each, at position length - 1), then `n_prompt` tokens (default: the bucket
-    of the `work` chunks, each padded to whole blocks of QUERY_BLOCK, at least one block)
-    holding the chunks."""
+                n_prompt: int | None = None, n_rows: int | None = None) -> MixedBatch:
+    """The host arrays of a mixed step: `n_rows` (default max_slots, at least
+    `len(decode)`) single tokens, the `decode` sequences' first (one each, at position
+    length - 1), then `n_prompt` tokens (default: the bucket of the `work` chunks, each
+    padded to whole blocks of QUERY_BLOCK, at least one block) holding the chunks."""
     padded = sum(blocks(w.n) for w in work)
     n_prompt = bucket(padded, MIN_PROMPT_BUCKET) if n_prompt is None else n_prompt
-    N, R, V = max_slots + n_prompt, max_slots, vocab_size
+    n_rows = max_slots if n_rows is None else n_rows
+    N, R, V = n_rows + n_prompt, max_slots, vocab_size
     tokens, position = np.zeros(N, np.int32), np.zeros(N, np.int32)
     slot, is_decode, valid = np.full(N, max_slots, np.int32), np.zeros(N, bool), np.zeros(N, bool)
     row_slot, row_at = np.full(R, max_slots, np.int32), np.zeros(R, np.int32)
@@ -72,7 +76,7 @@ def mixed_batch(decode: list[Sequence], work: list[PrefillWork], max_slots: int,
     for i, seq in enumerate(decode):
         slot[i], position[i], is_decode[i], valid[i] = seq.slot, seq.length - 1, True, True
         row_slot[r], row_at[r], r = seq.slot, i, r + 1
-    i = max_slots
+    i = n_rows
     for w in work:
         seq, n = w.seq, blocks(w.n)
         tokens[i: i + w.n] = seq.target[w.start: w.start + w.n]
@@ -107,14 +111,23 @@ def _insert(state: DecodeState, batch: MixedBatch) -> DecodeState:
         constraint=put(state.constraint, batch.constraint))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "pad_id"), donate_argnames="state")
+@functools.partial(jax.jit, static_argnames=("config", "n_rows", "pad_id"),
+                   donate_argnames="state")
 def engine_mixed(params, config, state: DecodeState, page_table, batch: MixedBatch, rows,
-                 stops, *, pad_id: int):
-    """One mixed step: the N query tokens through the model (`ragged_transformer`: each
+                 stops, *, n_rows: int, pad_id: int):
+    """One mixed chunk: a mixed step, then CHUNK - 1 decode steps of its decode rows.
+
+    The mixed step: the N query tokens through the model (`ragged_transformer`: each
     token's keys and values stored at its position in its slot's pages), each touched
     slot's length set to its last position + 1, the completed prompts inserted into the
     decode state (as `batching.engine_prefill`) and every sampled row's next token sampled
-    and recorded (`sample_and_record`, on the R rows only). `state` is donated."""
+    and recorded (`sample_and_record`, on the R rows only). Then the rows it decoded (not
+    the prompts it completed: their pages hold only the prompt) run CHUNK - 1 more decode
+    steps, gathered compactly as in `batching.engine_decode`: a decoding request gets
+    CHUNK tokens per call with or without a prompt going in, and the call's fixed cost
+    (dispatch, host arrays, the read back) is paid once per CHUNK tokens, as a decode
+    chunk's. `n_rows` (static): the decode rows, the first n_rows of the N tokens
+    (`Scheduler.mixed_rows`: at least the decoded count). `state` is donated."""
     B = state.done.shape[0]
     slot_N = batch.slot
     tokens_N = jnp.where(batch.decode, state.next_token[jnp.minimum(slot_N, B - 1)],
@@ -122,7 +135,7 @@ def engine_mixed(params, config, state: DecodeState, page_table, batch: MixedBat
     table_NM = jnp.take(page_table, slot_N, axis=0, mode="fill", fill_value=kv.NO_PAGE)
     cache = state.model.replace(page_table=page_table)
     x_ND, cache = ragged_transformer(params, tokens_N, batch.position, table_NM, batch.valid,
-                                     cache, config, n_single=B)
+                                     cache, config, n_single=n_rows)
     written_N = jnp.where(batch.valid, slot_N, B)
     lengths = cache.lengths.at[written_N].set(0, mode="drop").at[written_N].max(
         batch.position + 1, mode="drop")
@@ -131,4 +144,21 @@ def engine_mixed(params, config, state: DecodeState, page_table, batch: MixedBat
     take = lambda x: jnp.take(x, batch.row_slot, axis=0, mode="fill", fill_value=0)  # noqa: E731
     sub = sample_and_record(_gather_rows(state, batch.row_slot), logits_RV, batch.row_slot < B,
                             jax.tree.map(take, rows), jax.tree.map(take, stops), pad_id)
-    return _scatter_rows(state, batch.row_slot, sub)
+    state = _scatter_rows(state, batch.row_slot, sub)
+    return _decode_rows(params, config, state, batch, rows, stops, n_rows, pad_id)
+
+
+def _decode_rows(params, config, state: DecodeState, batch: MixedBatch, rows, stops,
+                 n_rows: int, pad_id: int) -> DecodeState:
+    """CHUNK - 1 decode steps of the rows `batch` decoded (no window forward: the scheduler
+    mixes no row that could outgrow the context in a chunk, `Scheduler.mixable`)."""
+    B = state.done.shape[0]
+    decoded_B = jnp.zeros((B,), bool).at[jnp.where(batch.insert, B, batch.row_slot)].set(
+        True, mode="drop")
+    slots_R = live_slots(decoded_B, n_rows)
+    step_fn = lambda tokens_B, cache, advance_B, window_BW: run_step(  # noqa: E731
+        params, config, tokens_B, cache, advance_B)
+    take = lambda x: jnp.take(x, slots_R, axis=0, mode="fill", fill_value=0)  # noqa: E731
+    chunk = decode_chunk(_gather_rows(state, slots_R), step_fn, jax.tree.map(take, rows),
+                         jax.tree.map(take, stops), pad_id, chunk=CHUNK - 1)
+    return _scatter_rows(state, slots_R, chunk)

@@ -21,6 +21,11 @@ from inference.sampling_params import SamplingParams  # plain Python: no JAX her
 
 MIN_PROMPT_BUCKET = 16  # the shortest padded prompt length of a prefill call
 
+# Prompt tokens of a mixed chunk per decode token it runs (`Scheduler.mixed_work`): on CPU
+# a step costs about in proportion to its tokens, so a mixed chunk of n decoding rows costs
+# about 1 + this share of a decode chunk (the stall bound; benchmarks/README.md, "Serving").
+MIXED_PROMPT_SHARE = 0.25
+
 
 class Status(enum.Enum):
     WAITING = "waiting"  # queued (new, or preempted with its progress kept)
@@ -171,12 +176,13 @@ class Scheduler:
         take turns); else a decode chunk for every running sequence, preempting as pages
         require (all of them, in a corner case: then nothing runs). With `mixed` (the engine
         runs mixed steps, `inference.mixed`), prompts go in as `mixed_work` and, when every
-        running sequence can (`mixable`), one step decodes one token of each of them and
-        prefills in the same call (stall-free batching): no turns."""
+        running sequence can (`mixable`), one call prefills and decodes a chunk of
+        `decode_chunk` tokens of each of them (a mixed step, then decode steps: stall-free
+        batching), no turns."""
         self.admit()
         prefilling = any(s.status == Status.PREFILLING for s in self.active)
         if mixed and prefilling and self.running() and all(map(self.mixable, self.running())):
-            preempted = self.reserve_decode(1)
+            preempted = self.reserve_decode(self.decode_chunk)
             decode = self.running()
             return SchedulerPlan(prefill=self.mixed_work(len(decode)), decode=decode,
                                  preempted=preempted, mixed=True)
@@ -307,27 +313,39 @@ class Scheduler:
         return best[1]
 
     def mixable(self, seq: Sequence) -> bool:
-        """Whether a running sequence can decode inside a mixed step: not speculative, and
-        its next token's position inside the context (a "crop" request past it needs its
-        window forward, `inference.steps.window_logits`)."""
-        return not seq.sampling.speculative and seq.length <= self.max_seq_len
+        """Whether a running sequence can decode inside a mixed chunk (a mixed step, then
+        decode steps: `decode_chunk` tokens): not speculative, and no token of the chunk past
+        the context (a "crop" request there needs its window forward,
+        `inference.steps.window_logits`)."""
+        sp = seq.sampling
+        return not sp.speculative and (seq.length + self.decode_chunk <= self.max_seq_len
+                                       or len(seq.prompt) + sp.max_new_tokens <= self.max_seq_len)
 
     def mixed_shapes(self) -> list[int]:
-        """Every count of prompt tokens a mixed step can take besides its max_slots decode
-        tokens (powers of two from MIN_PROMPT_BUCKET up to the bucket of the budget,
-        `mixed_work`), the programs `Engine.warmup` compiles for mixed steps."""
+        """Every count of prompt tokens a mixed step can take besides its decode tokens: the
+        bucket of the budget (`mixed_work`) and the two powers of two below it, at least
+        MIN_PROMPT_BUCKET (a smaller chunk pads to the least: few programs), ascending."""
         most = bucket(self.max_prefill_tokens, MIN_PROMPT_BUCKET)
-        return [1 << k for k in range(MIN_PROMPT_BUCKET.bit_length() - 1,
-                                      most.bit_length())]
+        return sorted({max(most >> k, MIN_PROMPT_BUCKET) for k in range(3)})
+
+    def mixed_rows(self, n_decode: int) -> int:
+        """Decode rows of a mixed step that decodes `n_decode` sequences, gathered compactly:
+        half the slots when they fit, else all (two programs per prompt shape)."""
+        half = self.max_slots // 2
+        return half if half and n_decode <= half else self.max_slots
 
     def mixed_work(self, n_decode: int) -> list[PrefillWork]:
-        """Chunks of the prefilling sequences for a mixed step that also decodes `n_decode`
-        tokens, in admission order: the step's budget of `max_prefill_tokens` query tokens,
-        less the decode tokens (which go first, Sarathi-Serve's order) but at least
-        MIN_PROMPT_BUCKET, so prompts go in while any number of sequences decode; each
-        sequence at most `prefill_chunk_tokens` per step, its chunk taking whole query
-        blocks of MIN_PROMPT_BUCKET tokens of the budget (`gpt_jax.ragged.QUERY_BLOCK`)."""
-        budget = max(self.max_prefill_tokens - n_decode, MIN_PROMPT_BUCKET)
+        """Chunks of the prefilling sequences for a mixed chunk that also decodes `n_decode`
+        sequences `decode_chunk` tokens each, in admission order. The prompt budget: with
+        none decoding, `max_prefill_tokens`; else MIXED_PROMPT_SHARE of the chunk's decode
+        tokens (so the call costs at most about 1 + that share of a decode chunk on CPU,
+        where cost follows tokens), in whole blocks of MIN_PROMPT_BUCKET tokens, at least
+        one (prompts go in while any number decode), at most `max_prefill_tokens`. Each
+        sequence at most `prefill_chunk_tokens` per call, its chunk taking whole query
+        blocks of the budget (`gpt_jax.ragged.QUERY_BLOCK`)."""
+        share = int(MIXED_PROMPT_SHARE * self.decode_chunk * n_decode)
+        budget = self.max_prefill_tokens if n_decode == 0 else min(
+            self.max_prefill_tokens, max(share - share % MIN_PROMPT_BUCKET, MIN_PROMPT_BUCKET))
         work = []
         for seq in (s for s in self.active if s.status == Status.PREFILLING):
             n = min(len(seq.target) - seq.prefilled, self.prefill_chunk_tokens, budget)

@@ -88,8 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV page pool size in bytes (default: every slot can hold the "
                         "model's context)")
     p.add_argument("--mixed-steps", action="store_true",
-                   help="prefill prompt chunks inside the running requests' decode steps "
-                        "(one program per token bucket; not with --tensor-parallel)")
+                   help="prefill prompt chunks inside the running requests' decode chunks "
+                        "(one program per row and token bucket; not with --tensor-parallel)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="most completions waiting beyond the slots before 429")
     p.add_argument("--api-key", default=None,

@@ -37,7 +37,8 @@ def programs(engine, crop: bool = False) -> list[Program]:
     structured-output tables compile their own), prefill shapes first, each once; a
     prefill program with a draft model is two (`compile_all` runs both)."""
     if engine.mixed:
-        listed = [Program("mixed", engine.max_slots, n)
+        listed = [Program("mixed", R, n) for R in sorted({engine.scheduler.mixed_rows(k)
+                                                          for k in (0, engine.max_slots)})
                   for n in engine.scheduler.mixed_shapes()]
     else:
         listed = [Program("prefill", R, T) for R, T in engine.scheduler.prefill_shapes()]
@@ -61,9 +62,10 @@ def compile_all(engine, crop: bool, rows, stops) -> None:
         R, T = program.rows, program.length
         if program.kind == "mixed":
             batch = mixed_batch([], [], engine.max_slots, V, recent_width,
-                                engine.state.window.shape[1], n_prompt=T)  # padding only
+                                engine.state.window.shape[1], n_prompt=T, n_rows=R)  # padding
             engine.state = (engine.mixed_program or engine_mixed)(
-                engine.params, engine.config, engine.state, table, batch, rows, stops, pad_id=0)
+                engine.params, engine.config, engine.state, table, batch, rows, stops,
+                n_rows=R, pad_id=0)
         elif program.kind == "prefill":
             batch = PrefillBatch(*map(jnp.asarray, (
                 zeros(R, T), zeros(R), zeros(R), np.full(R, engine.max_slots, np.int32),

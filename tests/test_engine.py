@@ -224,10 +224,10 @@ def test_chunked_prefill_equals_one_prefill(config, params):
     sp = SamplingParams(temperature=0.0, max_new_tokens=20)
     (alone,) = generate(params, config, [prompt], sp)
     assert_lively(alone.tokens)
-    # "short" gets its first token with its prefill, then: in mixed steps, one token in each
-    # step that prefills a 16-token block of "long", then chunks of 8; without, a chunk of 8
-    # between each 16-token chunk of "long" (prefill and decode take turns)
-    for mixed, expected in ((True, [1] * 8 + [8]), (False, [1, 8, 0, 8, 0, 8, 0, 2])):
+    # "short" gets its first token with its prefill, then: in mixed chunks, 8 tokens in each
+    # call that prefills a 16-token block of "long"; without, a chunk of 8 between each
+    # 16-token chunk of "long" (prefill and decode take turns)
+    for mixed, expected in ((True, [1, 8, 8, 8, 2]), (False, [1, 8, 0, 8, 0, 8, 0, 2])):
         engine = Engine(params, config, max_slots=4, max_prefill_tokens=16, mixed_steps=mixed)
         engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=27))
         engine.add_request("long", prompt, sp)
@@ -249,7 +249,7 @@ def test_a_random_workload_runs_only_the_programs_warmup_lists(config, params):
     engine = Engine(params, config, max_slots=8, max_prefill_tokens=64, mixed_steps=True)
     listed = set(warmup.programs(engine))
     assert len(listed) <= 12, sorted(listed)
-    assert len(warmup.programs(Engine(params, config, mixed_steps=True))) <= 12  # 4 + 6
+    assert len(warmup.programs(Engine(params, config, mixed_steps=True))) <= 12  # 2 x 3 + 6
     ran = set()
 
     def prefill_program(params, config, state, table, batch, *args, **kwargs):
@@ -261,7 +261,7 @@ def test_a_random_workload_runs_only_the_programs_warmup_lists(config, params):
         return engine_decode(params, config, state, table, live, rows, stops, window, **kwargs)
 
     def mixed_program(params, config, state, table, batch, *args, **kwargs):
-        rows = batch.row_slot.shape[0]
+        rows = kwargs["n_rows"]
         ran.add(warmup.Program("mixed", rows, batch.tokens.shape[0] - rows))
         return engine_mixed(params, config, state, table, batch, *args, **kwargs)
 

@@ -125,16 +125,18 @@ def test_prefill_goes_in_chunks_and_takes_turns_with_decode():
 
 
 def test_mixed_steps_decode_every_running_sequence_while_a_prompt_goes_in():
-    """With mixed steps, each step that prefills a chunk also decodes one token of every
-    running sequence (decode tokens first, the budget less them for the prompt chunks, at
-    least 16); a running sequence that cannot (speculative) makes prefill and decode chunks
-    take turns again."""
-    s = scheduler(max_prefill_tokens=40, prefill_chunk_tokens=32)
+    """With mixed steps, each call that prefills a chunk also decodes every running
+    sequence; the prompt budget is a share of the call's decode tokens (0.25 x 64-token
+    chunks per decoding sequence, whole 16-token blocks, at least one, at most
+    max_prefill_tokens), the whole budget when none decodes; a running sequence that
+    cannot (speculative) makes prefill and decode chunks take turns again."""
+    s = scheduler(max_prefill_tokens=40, prefill_chunk_tokens=32, decode_chunk=64,
+                  num_pages=256)
     s.add(sequence("a", range(20), max_new_tokens=100))
     plan = s.schedule(mixed=True)  # nothing runs yet: a prefill-only mixed step
     assert plan.mixed and not plan.decode and [w.n for w in plan.prefill] == [20]
     s.update(plan, [SequenceResult(plan.prefill[0].seq, [7], [], [])])
-    s.add(sequence("b", range(100), arrival=1))
+    s.add(sequence("b", range(40), arrival=1, max_new_tokens=100))
     s.add(sequence("c", range(30), arrival=2))
     steps = []
     for _ in range(4):
@@ -143,14 +145,13 @@ def test_mixed_steps_decode_every_running_sequence_while_a_prompt_goes_in():
         steps.append(([q.request_id for q in plan.decode],
                       [(w.seq.request_id, w.start, w.n) for w in plan.prefill]))
         s.update(plan, [SequenceResult(q, [1], [], []) for q in plan.sampled])
-    # a budget of 40 - 1 decode token: "b" its 32-token chunk, "c" the 7 left, in turn
-    assert steps == [(["a"], [("b", 0, 32), ("c", 0, 7)]),
-                     (["a"], [("b", 32, 32), ("c", 7, 7)]),
-                     (["a"], [("b", 64, 32), ("c", 14, 7)]),
-                     (["a"], [("b", 96, 4), ("c", 21, 9)])]
+    # one decoding: a budget of 16 (0.25 x 64 = 16); two: 32, and "c" goes in at once
+    assert steps == [(["a"], [("b", 0, 16)]), (["a"], [("b", 16, 16)]),
+                     (["a"], [("b", 32, 8)]), (["a", "b"], [("c", 0, 30)])]
     plan = s.schedule(mixed=True)  # nothing to prefill: a decode chunk
     assert not plan.mixed and [q.request_id for q in plan.decode] == ["a", "b", "c"]
-    assert s.mixed_shapes() == [16, 32, 64]  # up to the bucket of 8 slots + 16, or 40
+    assert s.mixed_shapes() == [16, 32, 64]  # the bucket of 40 and the two below
+    assert (s.mixed_rows(0), s.mixed_rows(4), s.mixed_rows(5)) == (4, 4, 8)
     s.add(sequence("d", range(50), arrival=3))
     s.running()[0].sampling = Sampling(100, speculative="ngram")
     assert [bool(s.schedule(mixed=True).decode) for _ in range(4)] == [False, True] * 2
