@@ -16,6 +16,7 @@ import pytest
 from gpt_jax import GPTConfig
 from inference import SamplingParams, generate, speculative
 from inference import draft as draft_model
+from inference.spec_cost import verify_cost
 from tests.conftest import lively_params
 from tests.test_speculative import N_SAMPLES, PROMPT, SMALL, TRANSFORMS, _p_value
 
@@ -71,7 +72,8 @@ def _same(off, on):
         assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason), i
 
 
-def test_greedy_with_itself_as_draft_accepts_all_and_stops_inside_runs(greedy_runs):
+def test_greedy_with_itself_as_draft_accepts_all_and_stops_inside_runs(model, greedy_runs):
+    config = model[1]
     off, on, _, _, kinds = greedy_runs
     _same(off, on)
     drafted = [(c, sp.num_speculative_tokens) for c, sp in zip(on, kinds)
@@ -81,10 +83,13 @@ def test_greedy_with_itself_as_draft_accepts_all_and_stops_inside_runs(greedy_ru
         lost = s["drafted"] - s["accepted"]
         assert lost == 0 if c.finish_reason == "length" else lost < k
         assert s["accepted"] > 0 or len(c.tokens) == 1  # (an EOS as the first token)
-    # the stopped rows ran fewer forward steps than they emitted tokens: their stops came
-    # inside accepted runs
-    assert all(c.speculation["steps"] < len(c.tokens) for c, _ in drafted[4:]
-               if len(c.tokens) > 2)
+    # the stopped rows that keep drafting (all accepted, k + 1 tokens per verification beat
+    # its cost; `spec_cost`) ran fewer forward steps than they emitted tokens: their stops
+    # came inside accepted runs
+    paying = [c for c, k in drafted[4:]
+              if k + 1 > verify_cost(config, 5) and len(c.tokens) > 2]
+    assert len(paying) >= 4
+    assert all(c.speculation["steps"] < len(c.tokens) for c in paying)
     assert {c.finish_reason for c in on[4:]} == {"length", "eos", "stop"}
     np.testing.assert_allclose(on[-1].logprobs, off[-1].logprobs, atol=1e-4)
 
