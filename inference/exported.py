@@ -97,7 +97,7 @@ class ExportedPrograms:
         def precompile(*args, **kwargs) -> Callable[[], None]:
             """Read (or export) the program of this call's shape now, in this thread; returns
             what compiles its call, or loads it from the compilation cache, without running
-            it: XLA's part releases the GIL, so `warmup.compile_all` runs several at once.
+            it: XLA compiles outside the GIL, so `warmup.compile_all` runs several at once.
             The arguments may be numpy arrays: only shapes and dtypes count."""
             (jitted, _), leaves = program(args, kwargs)
 

@@ -55,8 +55,8 @@ def compile_all(engine, crop: bool, rows, stops) -> None:
     `rows` and `stops` (`Engine._row_arrays`, or a constrained variant of them).
 
     An exported program (`inference.exported`: `serve` and `LLM` with the cache) is only
-    lowered and compiled, not run, several at once in a thread pool (XLA's compiling and
-    loading release the GIL); any other is run once on the engine's idle state, with
+    lowered and compiled, not run, several at once in a thread pool (XLA compiles outside
+    the GIL); any other is run once on the engine's idle state, with
     padding rows only (no slot changes). The arrays are built with numpy: `jnp.asarray`
     would stage each through a program of its own (jax >= 0.10), dozens of small programs
     to look up at every start."""
