@@ -18,15 +18,17 @@ words: a row's generated tokens (`n_steps`), the most likely alternatives per to
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from gpt_jax.cache import PagedKVCache
+from gpt_jax.cache import PagedKVCache, empty_cache
 from inference import constraint_mask, stopping
 from inference.sampling import SamplingArrays, sample
+from inference.sampling_params import MAX_LOGPROBS
 
 CHUNK = 8  # decode steps per scan chunk; the loop may stop early at chunk boundaries
 
@@ -73,6 +75,21 @@ def prompt_window(prompt_tokens, prompt_lengths, width: int, pad_id: int = 0):
     positions = prompt_lengths[:, None] - width + jnp.arange(width)[None, :]  # [prompts, width]
     tail = jnp.take_along_axis(prompt_tokens, jnp.clip(positions, 0, T - 1), axis=1)
     return jnp.where(positions >= 0, tail, pad_id).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=range(8))
+def empty_state(config, num_pages: int, max_slots: int, max_pages: int, page_size: int, dtype,
+                widths: tuple[int, int, int], n_steps: int) -> DecodeState:
+    """An engine's decode state with no request: `empty_cache`'s pages and slots, every row
+    finished (`init_state` of rows with max_new_tokens 0, stop arrays `widths` wide, a zero
+    window of max_seq_len). One program: built op by op, each array's fill was a program of
+    its own, about twenty to look up in the compilation cache at every start (issue 39)."""
+    B, V = max_slots, config.vocab_size
+    cache = empty_cache(config, num_pages, B, max_pages, page_size, dtype)
+    stops = stopping.StopArrays.from_lists([0] * B, [()] * B, [()] * B, widths)
+    return init_state(cache, jnp.zeros((B, V), bool), stops,
+                      jnp.zeros((B, config.max_seq_len), jnp.int32), n_steps=n_steps,
+                      n_top=min(MAX_LOGPROBS, V))
 
 
 def init_state(model, seen_BV, stops, window_BW, *, n_steps, n_top, pad_id=0) -> DecodeState:

@@ -30,14 +30,14 @@ from inference.batching import (decode_rows, engine_decode, engine_prefill, pref
                                 row_arrays, sequence_results)
 from inference.constraint_mask import warmup_arrays
 from inference.constraints import automaton
-from inference.decode import CHUNK, init_state, widen_recent
+from inference.decode import CHUNK, empty_state, widen_recent
 from inference.detokenize import RequestOutput, request_output, sequence_text
 from inference.draft_engine import EngineDraft, draft_prefill, engine_draft_speculate
 from inference.errors import RequestError
 from inference.generation import generate_program
 from inference.mixed import blocks, engine_mixed, mixed_batch
 from inference.sampling import prompt_hash
-from inference.sampling_params import MAX_LOGPROBS, SamplingParams
+from inference.sampling_params import SamplingParams
 from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
 from inference.spec_cost import verify_cost
 from inference.spec_engine import SpecSlots, engine_speculate
@@ -195,14 +195,9 @@ class Engine:
                                    prefix_caching=prefix_caching, decode_chunk=CHUNK)
         # the stop arrays' widths (EOS ids, stop sequences, sequence length), grown on demand
         self.widths = (4, 4, 4)
-        cache = kv.empty_cache(config, num_pages, max_slots, max_pages, page_size, dtype)
-        B, V, C = max_slots, config.vocab_size, config.max_seq_len
         # The token buffer is a ring of C (>= one chunk) steps: the host reads every chunk.
-        self.state = init_state(
-            cache, jnp.zeros((B, V), bool),
-            stopping.StopArrays.from_lists([0] * B, [()] * B, [()] * B, self.widths),
-            jnp.zeros((B, C), jnp.int32), n_steps=max(C, CHUNK),
-            n_top=min(MAX_LOGPROBS, config.vocab_size))
+        self.state = empty_state(config, num_pages, max_slots, max_pages, page_size, dtype,
+                                 self.widths, max(config.max_seq_len, CHUNK))
         if mesh is not None:
             self.state = tensor_parallel.replicate(self.state, mesh)
         # ids of finished requests (aborting one does nothing), the latest FINISHED_IDS kept

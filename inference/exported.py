@@ -76,7 +76,8 @@ class ExportedPrograms:
         are hashable and whose result has the tree of its `donate` argument (donated)."""
         signature = inspect.signature(fn)
 
-        def call(*args, **kwargs):
+        def program(args, kwargs):
+            """The call's program (read, or exported, once per call shape) and its leaves."""
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             statics = tuple((k, bound.arguments[k]) for k in static)
@@ -87,9 +88,24 @@ class ExportedPrograms:
                    tuple((np.shape(x), np.dtype(x.dtype).name) for x in leaves))
             if key not in self.programs:
                 self.programs[key] = self._program(fn, key, names, dynamic, donate)
-            program, out_tree = self.programs[key]
-            return jax.tree.unflatten(out_tree, program(*leaves))
+            return self.programs[key], leaves
 
+        def call(*args, **kwargs):
+            (jitted, out_tree), leaves = program(args, kwargs)
+            return jax.tree.unflatten(out_tree, jitted(*leaves))
+
+        def precompile(*args, **kwargs) -> Callable[[], None]:
+            """Read (or export) the program of this call's shape now, in this thread; returns
+            what compiles its call, or loads it from the compilation cache, without running
+            it: XLA compiles outside the GIL, so `warmup.compile_all` runs several at once.
+            The arguments may be numpy arrays: only shapes and dtypes count."""
+            (jitted, _), leaves = program(args, kwargs)
+
+            def compile_call() -> None:
+                jitted.lower(*leaves).compile()  # kept by jit: its first call runs it
+            return compile_call
+
+        call.precompile = precompile
         return call
 
     def _program(self, fn, key, names: list[str], dynamic: list, donate: str):
@@ -142,7 +158,14 @@ class ExportedPrograms:
 
 def attach(engine, directory: Path) -> ExportedPrograms:
     """Make `engine` (an `inference.Engine`) run its prefill, decode and mixed programs
-    exported, with the artifacts in `directory`. Returns the programs (their counts)."""
+    exported, with the artifacts in `directory`. Returns the programs (their counts).
+
+    The engine's state is committed to its device here: every program's output is, so the
+    state a program gets is then always committed, and a program compiled ahead
+    (`precompile`) for it is the one its calls find (jit keys a program by its arguments'
+    placement too: compiled for the fresh, uncommitted state, the decode chunk after a
+    prefill was lowered and loaded again)."""
+    engine.state = jax.device_put(engine.state, jax.devices()[0])
     programs = ExportedPrograms(directory)
     engine.prefill_program = programs.wrap(engine_prefill, ("config", "pad_id"), "state")
     engine.decode_program = programs.wrap(engine_decode, ("config", "n_rows", "pad_id"),

@@ -271,17 +271,19 @@ class Scheduler:
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every `(rows, T)` a prefill call can take, the shapes `Engine.warmup` compiles: T a
         power of two from 16 up to the bucket of a row's most tokens (min of
-        `max_prefill_tokens` and `prefill_chunk_tokens`), rows a power of two up to the
-        bucket of max_slots with rows x T at most `max_prefill_tokens` (or one row); by T,
-        then rows, ascending."""
+        `max_prefill_tokens` and `prefill_chunk_tokens`), and for each T one row (a lone
+        prompt: no padding rows) or the most rows, a power of two up to the bucket of
+        max_slots, with rows x T at most `max_prefill_tokens` (several prompts: the call's
+        whole budget). Two row counts per T, not every power of two, keep the warmup at 12
+        programs for the defaults (issue 39); by T, then rows, ascending."""
         budget = self.max_prefill_tokens
         longest = bucket(min(budget, self.prefill_chunk_tokens), MIN_PROMPT_BUCKET)
         shapes, T = [], MIN_PROMPT_BUCKET
         while T <= longest:
-            rows = 1
-            while rows <= bucket(self.max_slots) and (rows == 1 or rows * T <= budget):
-                shapes.append((rows, T))
-                rows *= 2
+            most = 1
+            while most * 2 <= bucket(self.max_slots) and most * 2 * T <= budget:
+                most *= 2
+            shapes += [(rows, T) for rows in sorted({1, most})]
             T *= 2
         return shapes
 

@@ -8,7 +8,9 @@ no program outside `programs` (tests/test_engine.py)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -50,35 +52,58 @@ def programs(engine, crop: bool = False) -> list[Program]:
 
 
 def compile_all(engine, crop: bool, rows, stops) -> None:
-    """Run every program of `programs(engine, crop)` once on the engine's idle state, with
-    padding rows only (no slot changes) and the slots' sampling arrays `rows` and `stops`
-    (`Engine._row_arrays`, or a constrained variant of them): each is compiled (or loaded
-    from the persistent cache) now rather than while requests wait."""
-    V, recent_width = engine.config.vocab_size, engine.state.recent.shape[1]
+    """Have every program of `programs(engine, crop)` compiled (or loaded from the
+    persistent cache) now rather than while requests wait, with the slots' sampling arrays
+    `rows` and `stops` (`Engine._row_arrays`, or a constrained variant of them).
+
+    An exported program (`inference.exported`: `serve` and `LLM` with the cache) is only
+    lowered and compiled, not run, several at once in a thread pool (XLA compiles outside
+    the GIL); any other is run once on the engine's idle state, with
+    padding rows only (no slot changes). The arrays are built with numpy: `jnp.asarray`
+    would stage each through a program of its own (jax >= 0.10), dozens of small programs
+    to look up at every start."""
     table = engine._page_table()
-    zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
-    live = jnp.zeros((engine.max_slots,), bool)
+    ahead = []  # what compiles each exported program
     for program in programs(engine, crop):
-        R, T = program.rows, program.length
-        if program.kind == "mixed":
-            batch = mixed_batch([], [], engine.max_slots, V, recent_width,
-                                engine.state.window.shape[1], n_prompt=T, n_rows=R)  # padding
-            engine.state = (engine.mixed_program or engine_mixed)(
-                engine.params, engine.config, engine.state, table, batch, rows, stops,
-                n_rows=R, pad_id=0)
-        elif program.kind == "prefill":
-            batch = PrefillBatch(*map(jnp.asarray, (
-                zeros(R, T), zeros(R), zeros(R), np.full(R, engine.max_slots, np.int32),
-                zeros(R, dtype=bool), zeros(R),
-                np.full((R, recent_width), stopping.BEFORE_START, np.int32),
-                zeros(R, engine.config.max_seq_len), zeros(R, V, dtype=bool),
-                zeros(R, V), zeros(R))))  # padding rows: no effect
-            engine.state = (engine.prefill_program or engine_prefill)(
-                engine.params, engine.config, engine.state, table, batch, rows, stops, pad_id=0)
-            if engine.draft is not None:  # its draft model's prefill (`inference.draft_engine`)
-                engine.draft.prefill(table, batch)
-        else:
-            engine.state = (engine.decode_program or engine_decode)(
-                engine.params, engine.config, engine.state, table, live, rows, stops,
-                jnp.full((program.window,), engine.max_slots, jnp.int32), n_rows=R, pad_id=0)
+        fn, args, kwargs = _call(engine, program, table, rows, stops)
+        if hasattr(fn, "precompile"):
+            ahead.append(fn.precompile(*args, **kwargs))
+        else:  # jit's own cache: the arrays as the engine's calls pass them
+            args = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x,
+                                args)
+            engine.state = fn(*args, **kwargs)
+        if program.kind == "prefill" and engine.draft is not None:
+            # its draft model's prefill (`inference.draft_engine`), run once
+            engine.draft.prefill(table, jax.tree.map(jnp.asarray, args[4]))
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for done in [pool.submit(compile_call) for compile_call in ahead]:
+            done.result()
     jax.block_until_ready(engine.state)
+
+
+def _call(engine, program: Program, table, rows, stops) -> tuple:
+    """`program`'s entry point (the engine's exported one, else the jitted one) and its
+    arguments `(fn, args, kwargs)` on the engine's idle state: padding rows only, host
+    arrays as numpy."""
+    R, T, V = program.rows, program.length, engine.config.vocab_size
+    recent_width = engine.state.recent.shape[1]
+    common = (engine.params, engine.config, engine.state, table)
+    if program.kind == "mixed":
+        batch = mixed_batch([], [], engine.max_slots, V, recent_width,
+                            engine.state.window.shape[1], n_prompt=T, n_rows=R)  # padding only
+        return (engine.mixed_program or engine_mixed), (*common, batch, rows, stops), \
+            {"n_rows": R, "pad_id": 0}
+    if program.kind == "prefill":
+        zeros = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+        batch = PrefillBatch(
+            zeros(R, T), zeros(R), zeros(R), np.full(R, engine.max_slots, np.int32),
+            zeros(R, dtype=bool), zeros(R),
+            np.full((R, recent_width), stopping.BEFORE_START, np.int32),
+            zeros(R, engine.config.max_seq_len), zeros(R, V, dtype=bool),
+            zeros(R, V), zeros(R))  # padding rows: no effect
+        return (engine.prefill_program or engine_prefill), (*common, batch, rows, stops), \
+            {"pad_id": 0}
+    live = np.zeros((engine.max_slots,), bool)
+    window = np.full((program.window,), engine.max_slots, np.int32)
+    return (engine.decode_program or engine_decode), \
+        (*common, live, rows, stops, window), {"n_rows": R, "pad_id": 0}

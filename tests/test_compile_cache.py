@@ -2,6 +2,7 @@
 loads every program instead of compiling it, and a broken entry is compiled again, with a
 warning, never a crash, and replaced."""
 
+import logging
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import sys
 import warnings
 
 import httpx2 as httpx
+import jax
 import pytest
 
 from conftest import free_port
@@ -136,21 +138,25 @@ def test_an_entry_that_does_not_decompress_is_removed_with_a_warning_once(tmp_pa
         assert compile_cache.discard_corrupt(tmp_path) == []
 
 
+def run(engine):
+    """Two requests through `engine`: each one's tokens, log-probs and finish reason."""
+    from inference import SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, logprobs=2)
+    for i, prompt in enumerate([[1, 2, 3], [9, 8, 7, 6, 5, 4, 3]]):
+        engine.add_request(str(i), prompt, sampling)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step()})
+    return {k: (o.token_ids, o.logprobs, o.finish_reason) for k, o in done.items()}
+
+
 def test_exported_programs_give_the_jitted_engine_s_tokens_and_load_on_a_second_start(
         tmp_path, config, params):
     """`inference.exported`: the engine's programs exported (the CPU kernel kept) give the
     tokens the jitted ones give; a second engine loads every artifact and exports none; a
     truncated artifact is exported again with a warning."""
-    from inference import Engine, SamplingParams, exported
-
-    def run(engine):
-        sampling = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, logprobs=2)
-        for i, prompt in enumerate([[1, 2, 3], [9, 8, 7, 6, 5, 4, 3]]):
-            engine.add_request(str(i), prompt, sampling)
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o for o in engine.step()})
-        return {k: (o.token_ids, o.logprobs, o.finish_reason) for k, o in done.items()}
+    from inference import Engine, exported
 
     expected = run(Engine(params, config, max_slots=2))
     first = Engine(params, config, max_slots=2)
@@ -170,3 +176,23 @@ def test_exported_programs_give_the_jitted_engine_s_tokens_and_load_on_a_second_
     with pytest.warns(UserWarning, match=f"exported program {artifact} is broken"):
         assert run(third) == expected
     assert (last.loaded, last.exported) == (programs.exported - 1, 1)
+
+
+def test_an_exported_engine_s_warmup_compiles_without_running_and_serving_lowers_nothing(
+        tmp_path, config, params, caplog):
+    """`warmup.compile_all` on exported programs: each listed program is compiled (in a
+    thread pool), none run (the engine's state is the same object: a run donates it), and
+    requests afterwards lower no exported program again, with the jitted engine's tokens."""
+    from inference import Engine, exported, warmup
+
+    sizes = {"max_slots": 2, "max_prefill_tokens": 16, "prefill_chunk_tokens": 16}
+    engine = Engine(params, config, **sizes)
+    store = exported.attach(engine, tmp_path)
+    state = engine.state  # committed by attach
+    engine.warmup()
+    assert engine.state is state
+    assert len(store.programs) == len(warmup.programs(engine)) == 3  # prefill 1x16, decode 1, 2
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        served = run(engine)
+    assert not [r.getMessage() for r in caplog.records if "jit(call)" in r.getMessage()]
+    assert served == run(Engine(params, config, **sizes))

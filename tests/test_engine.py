@@ -249,7 +249,8 @@ def test_a_random_workload_runs_only_the_programs_warmup_lists(config, params):
     engine = Engine(params, config, max_slots=8, max_prefill_tokens=64, mixed_steps=True)
     listed = set(warmup.programs(engine))
     assert len(listed) <= 12, sorted(listed)
-    assert len(warmup.programs(Engine(params, config, mixed_steps=True))) <= 12  # 2 x 3 + 6
+    for mixed_steps in (False, True):  # the defaults: 6 + 6 prefill, 2 x 3 + 6 mixed
+        assert len(warmup.programs(Engine(params, config, mixed_steps=mixed_steps))) <= 12
     ran = set()
 
     def prefill_program(params, config, state, table, batch, *args, **kwargs):
