@@ -32,8 +32,9 @@ class TrainConfig:
     block_size: int = 0  # tokens per sequence; 0 = the model's max_seq_len
     max_steps: int = 22000  # optimizer steps (the cosine schedule ends here)
     # wall time of the whole run: setup, compiling, the steps and the final evaluation and
-    # checkpoint. Inside the warmup, max_steps is raised or lowered to the steps that fit it
-    # (so the schedule ends with the run); a run that falls behind stops early; 0 = none
+    # checkpoint. Inside the warmup, and again after each evaluation, max_steps is raised or
+    # lowered to the steps that fit it (so the schedule ends with the run); a run that falls
+    # behind stops early; 0 = none
     time_budget_s: float = 0.0
     learning_rate: float = 2e-3  # peak AdamW learning rate
     min_learning_rate: float = 2e-4  # end of the cosine decay
