@@ -21,11 +21,12 @@ one optimizer constant changed: the cosine decayed to 0, AdamW's beta2 0.95 (0.9
 weight decay (0.1), a 50-step warmup (100) (only constants of the update differ: the
 step time is the same, left untimed). Each trains `--steps` steps of its own full cosine
 schedule (the demo's warmup and optimizer) into RUNS/NAME-STEPS, one after another; a
-finished run there is read back rather than trained again. Then, unless `--time-rounds 0`, one process compiles every
-candidate's step and times calls of 10 steps in turn, round by round (a busy machine slows
-them alike): the median ratio of each to the first candidate, times the first's known idle
-time (`IDLE_MS`), estimates its idle time; under heavy load such a ratio of two different
-shapes did not carry over to an idle machine (training/README.md).
+finished run there is read back rather than trained again. Then, unless `--time-rounds
+0`, one process compiles every candidate's step and times calls of 10 steps in turn, round
+by round (a busy machine slows them alike): the median ratio of each to the first
+candidate, times the first's known idle time (`IDLE_MS`), estimates its idle time; under
+heavy load such a ratio of two different shapes did not carry over to an idle machine
+(training/README.md).
 Writes results/demo_recipe[-TAG].json and .png: every candidate's val curve (nats/char by
 step), its summary and its step-time ratio, with the load average before and after.
 """
@@ -68,13 +69,15 @@ CANDIDATES = {
 IDLE_MS = {"llama": 50.2}
 
 
-def config(name: str, steps: int, runs: Path, eval_interval: int, cpu_devices: int):
+def config(name: str, steps: int, runs: Path, eval_interval: int, cpu_devices: int,
+           seed: int = 0):
     from training.config import TrainConfig
 
+    suffix = f"-seed{seed}" if seed else ""  # seed 0: the runs' names before --seed
     return TrainConfig.preset("shakespeare-char", **CANDIDATES[name], block_size=0,
-                              run_dir=str(runs / f"{name}-{steps}"), max_steps=steps,
+                              run_dir=str(runs / f"{name}-{steps}{suffix}"), max_steps=steps,
                               eval_interval=eval_interval, sample_tokens=0, time_budget_s=0.0,
-                              cpu_devices=cpu_devices)
+                              cpu_devices=cpu_devices, seed=seed)
 
 
 def train_one(cfg) -> dict:
@@ -160,6 +163,8 @@ def main(argv=None) -> int:
     parser.add_argument("--time-rounds", type=int, default=7, help="0: no step timing")
     parser.add_argument("--runs", default="runs/demo_recipe", help="the runs' folder")
     parser.add_argument("--tag", default="", help="suffix of the result files")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="init and data order (another draw of the same comparison)")
     parser.add_argument("--cpu-devices", type=int, default=0,
                         help="XLA devices the CPU is split into (0: the demo's, one per core)")
     args = parser.parse_args(argv)
@@ -168,7 +173,7 @@ def main(argv=None) -> int:
     from speed import RESULTS, machine
 
     cfgs = {name: config(name, args.steps, Path(args.runs), args.eval_interval,
-                         args.cpu_devices) for name in args.candidates}
+                         args.cpu_devices, args.seed) for name in args.candidates}
     split_host(next(iter(cfgs.values())))  # 2 devices on 2 cores, as the demo runs
     result = {"machine": machine(), "args": vars(args),
               "candidates": {name: train_one(cfg) for name, cfg in cfgs.items()}}
