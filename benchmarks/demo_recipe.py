@@ -18,15 +18,15 @@ same 768 tokens), both at learning rate 2e-3 decayed to 2e-4; `llama-lr3`, `llam
 decayed to 1% of the peak (their step times equal `llama`'s: only the schedule's constants
 differ); `llama-min0`, `llama-b2-95`, `llama-wd0`, `llama-warmup50`, the demo's recipe with
 one optimizer constant changed: the cosine decayed to 0, AdamW's beta2 0.95 (0.99), no
-weight decay (0.1), a 50-step warmup (100) (only constants of the update differ: the
-step time is the same, left untimed). Each trains `--steps` steps of its own full cosine
-schedule (the demo's warmup and optimizer) into RUNS/NAME-STEPS, one after another; a
-finished run there is read back rather than trained again. Then, unless `--time-rounds
-0`, one process compiles every candidate's step and times calls of 10 steps in turn, round
-by round (a busy machine slows them alike): the median ratio of each to the first
-candidate, times the first's known idle time (`IDLE_MS`), estimates its idle time; under
-heavy load such a ratio of two different shapes did not carry over to an idle machine
-(training/README.md).
+weight decay (0.1), a 50-step warmup (100); `llama-min0-b2-95`, the first two together (only
+constants of the update differ: the step time is the same, left untimed). Each trains
+`--steps` steps of its own full cosine schedule (the demo's warmup and optimizer) into
+RUNS/NAME-STEPS (NAME-STEPS-seedS with `--seed`), one after another; a finished run there is
+read back rather than trained again. Then, unless `--time-rounds 0`, one process compiles
+every candidate's step and times calls of 10 steps in turn, round by round (a busy machine
+slows them alike): the median ratio of each to the first candidate, times the first's known
+idle time (`IDLE_MS`), estimates its idle time; under heavy load such a ratio of two
+different shapes did not carry over to an idle machine (training/README.md).
 Writes results/demo_recipe[-TAG].json and .png: every candidate's val curve (nats/char by
 step), its summary and its step-time ratio, with the load average before and after.
 """
@@ -61,6 +61,7 @@ CANDIDATES = {
     "llama-b2-95": {**LLAMA, **OLD_LR, "beta2": 0.95},
     "llama-wd0": {**LLAMA, **OLD_LR, "weight_decay": 0.0},
     "llama-warmup50": {**LLAMA, **OLD_LR, "warmup_steps": 50},
+    "llama-min0-b2-95": {**LLAMA, **OLD_LR, "min_learning_rate": 0.0, "beta2": 0.95},
 }
 # Known idle ms/step on 2 cores: an idle fresh-clone `make demo` (issue 43: 7774 steps in
 # 423 s, 2 devices). The GPT-2 block's earlier 19 ms (8000 steps in 152 s) times the ratio
