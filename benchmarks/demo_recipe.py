@@ -6,6 +6,8 @@ Usage:
   python benchmarks/demo_recipe.py --steps 2500                 # gpt2 and llama, 2500 steps
   python benchmarks/demo_recipe.py --candidates llama-lr3 llama-lr4 --steps 2500 \
       --eval-interval 500 --cpu-devices 1 --time-rounds 0 --tag lr
+  python benchmarks/demo_recipe.py --candidates llama llama-min0 llama-b2-95 --steps 3000 \
+      --eval-interval 500 --time-rounds 0 --tag opt
   gpt-jax bench demo_recipe --steps 300 --time-rounds 2         # a quick look
 
 Candidates (`CANDIDATES`): `gpt2`, the demo's recipe before issue 43 (GPT-2 block, context
@@ -14,13 +16,17 @@ Candidates (`CANDIDATES`): `gpt2`, the demo's recipe before issue 43 (GPT-2 bloc
 same 768 tokens), both at learning rate 2e-3 decayed to 2e-4; `llama-lr3`, `llama-lr4`,
 `llama-lr6`, the same model and programs with peak learning rates 3e-3, 4e-3 and 6e-3
 decayed to 1% of the peak (their step times equal `llama`'s: only the schedule's constants
-differ). Each trains `--steps` steps of its own full cosine schedule (the demo's warmup and
-optimizer) into RUNS/NAME-STEPS, one after another; a finished run there is read back
-rather than trained again. Then, unless `--time-rounds 0`, one process compiles every
-candidate's step and times calls of 10 steps in turn, round by round (a busy machine slows
-them alike): the median ratio of each to the first candidate, times the first's known idle
-time (`IDLE_MS`), estimates its idle time; under heavy load such a ratio of two different
-shapes did not carry over to an idle machine (training/README.md).
+differ); `llama-min0`, `llama-b2-95`, `llama-wd0`, `llama-warmup50`, the demo's recipe with
+one optimizer constant changed: the cosine decayed to 0, AdamW's beta2 0.95 (0.99), no
+weight decay (0.1), a 50-step warmup (100); `llama-min0-b2-95`, the first two together (only
+constants of the update differ: the step time is the same, left untimed). Each trains
+`--steps` steps of its own full cosine schedule (the demo's warmup and optimizer) into
+RUNS/NAME-STEPS (NAME-STEPS-seedS with `--seed`), one after another; a finished run there is
+read back rather than trained again. Then, unless `--time-rounds 0`, one process compiles
+every candidate's step and times calls of 10 steps in turn, round by round (a busy machine
+slows them alike): the median ratio of each to the first candidate, times the first's known
+idle time (`IDLE_MS`), estimates its idle time; under heavy load such a ratio of two
+different shapes did not carry over to an idle machine (training/README.md).
 Writes results/demo_recipe[-TAG].json and .png: every candidate's val curve (nats/char by
 step), its summary and its step-time ratio, with the load average before and after.
 """
@@ -49,6 +55,13 @@ CANDIDATES = {
     "llama-lr3": {**LLAMA, "learning_rate": 3e-3, "min_learning_rate": 3e-5},
     "llama-lr4": {**LLAMA, "learning_rate": 4e-3, "min_learning_rate": 4e-5},
     "llama-lr6": {**LLAMA, "learning_rate": 6e-3, "min_learning_rate": 6e-5},
+    # the demo's recipe (`llama`) with one optimizer constant changed: the cosine decayed
+    # to 0, AdamW's beta2 0.95, no weight decay, half the warmup
+    "llama-min0": {**LLAMA, **OLD_LR, "min_learning_rate": 0.0},
+    "llama-b2-95": {**LLAMA, **OLD_LR, "beta2": 0.95},
+    "llama-wd0": {**LLAMA, **OLD_LR, "weight_decay": 0.0},
+    "llama-warmup50": {**LLAMA, **OLD_LR, "warmup_steps": 50},
+    "llama-min0-b2-95": {**LLAMA, **OLD_LR, "min_learning_rate": 0.0, "beta2": 0.95},
 }
 # Known idle ms/step on 2 cores: an idle fresh-clone `make demo` (issue 43: 7774 steps in
 # 423 s, 2 devices). The GPT-2 block's earlier 19 ms (8000 steps in 152 s) times the ratio
@@ -57,13 +70,15 @@ CANDIDATES = {
 IDLE_MS = {"llama": 50.2}
 
 
-def config(name: str, steps: int, runs: Path, eval_interval: int, cpu_devices: int):
+def config(name: str, steps: int, runs: Path, eval_interval: int, cpu_devices: int,
+           seed: int = 0):
     from training.config import TrainConfig
 
+    suffix = f"-seed{seed}" if seed else ""  # seed 0: the runs' names before --seed
     return TrainConfig.preset("shakespeare-char", **CANDIDATES[name], block_size=0,
-                              run_dir=str(runs / f"{name}-{steps}"), max_steps=steps,
+                              run_dir=str(runs / f"{name}-{steps}{suffix}"), max_steps=steps,
                               eval_interval=eval_interval, sample_tokens=0, time_budget_s=0.0,
-                              cpu_devices=cpu_devices)
+                              cpu_devices=cpu_devices, seed=seed)
 
 
 def train_one(cfg) -> dict:
@@ -149,6 +164,8 @@ def main(argv=None) -> int:
     parser.add_argument("--time-rounds", type=int, default=7, help="0: no step timing")
     parser.add_argument("--runs", default="runs/demo_recipe", help="the runs' folder")
     parser.add_argument("--tag", default="", help="suffix of the result files")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="init and data order (another draw of the same comparison)")
     parser.add_argument("--cpu-devices", type=int, default=0,
                         help="XLA devices the CPU is split into (0: the demo's, one per core)")
     args = parser.parse_args(argv)
@@ -157,7 +174,7 @@ def main(argv=None) -> int:
     from speed import RESULTS, machine
 
     cfgs = {name: config(name, args.steps, Path(args.runs), args.eval_interval,
-                         args.cpu_devices) for name in args.candidates}
+                         args.cpu_devices, args.seed) for name in args.candidates}
     split_host(next(iter(cfgs.values())))  # 2 devices on 2 cores, as the demo runs
     result = {"machine": machine(), "args": vars(args),
               "candidates": {name: train_one(cfg) for name, cfg in cfgs.items()}}

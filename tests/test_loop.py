@@ -100,8 +100,9 @@ def test_a_time_budget_ends_the_learning_rate_schedule_with_the_run(corpus, tmp_
 
 
 def steps_taking(monkeypatch, clock, step_s, schedules, stop_at=None):
-    """Make `train`'s steps take `step_s` each on the virtual `clock`, note the length of
-    each learning-rate schedule made (`schedules`), and Ctrl-C the run at step `stop_at`."""
+    """Make `train`'s steps take `step_s` seconds each on the virtual `clock` (or
+    `step_s(k)` for the k-th step run, from 0), note the length of each learning-rate
+    schedule made (`schedules`), and Ctrl-C the run at step `stop_at`."""
     from training.step import make_optimizer, make_train_steps  # not an earlier call's
 
     done = [0]
@@ -114,10 +115,11 @@ def steps_taking(monkeypatch, clock, step_s, schedules, stop_at=None):
         steps = make_train_steps(*args, **kwargs)
 
         def timed_steps(state, x, y, n):
-            done[0] += int(n)
-            if stop_at is not None and done[0] > stop_at:
+            if stop_at is not None and done[0] + int(n) > stop_at:
                 raise KeyboardInterrupt
-            clock[0] += step_s * int(n)
+            for _ in range(int(n)):
+                clock[0] += step_s(done[0]) if callable(step_s) else step_s
+                done[0] += 1
             return steps(state, x, y, n)
 
         return timed_steps
@@ -147,23 +149,26 @@ def test_the_budget_keeps_room_for_the_final_checkpoints_save(corpus, tmp_path, 
     # recompile and 0.5 s for the final checkpoint, 6.245 s left at 5.25 ms a step
     assert summary["steps"] == summary["max_steps"] == schedules[-1] == 50 + 1188, summary
     assert summary["budget_fits"] == [
-        {"step": 50, "from": 100_000, "to": 50 + 1188, "ms_per_step": 5.0}]
+        {"step": 50, "from": 100_000, "to": 50 + 1188, "ms_per_step": 5.0, "first": True}]
     assert 7.5 < clock[0] <= cfg.time_budget_s, clock
 
 
-@pytest.mark.parametrize("step_s, fitted", [(0.002, 477), (0.01, 96)])
+@pytest.mark.parametrize("step_s, fitted, refitted", [(0.002, 477, 489), (0.01, 96, 96)])
 def test_the_budget_fit_raises_or_lowers_max_steps_and_a_resume_keeps_it(
-        corpus, tmp_path, monkeypatch, step_s, fitted):
+        corpus, tmp_path, monkeypatch, step_s, fitted, refitted):
     """Fault: the fit only ever lowered max_steps, so on a fast machine `make demo` ended
     its schedule in a third of its budget. Now the first fit (in the warmup, at step 50)
     raises max_steps on a fast machine (2 ms a step: 200 -> 477) and lowers it on a slow
     one (10 ms: 200 -> 96); the schedule is made again at the fitted length (the lengths
     made: the state's, the first step's, the fit's), the run ends there, and the summary
-    records the change. Ctrl-C'd at step 350 (checkpoint at 300) and resumed as the demo
-    resumes (the saved train_config.json and the same budget) on a machine twice as fast,
-    the run keeps the fitted value instead of fitting again. Virtual clock: setup,
-    compiles and evaluations take no time; the fit expects each step to take 5% longer
-    than measured (1 s budget, 0.1 s spent at step 50, at 2.1 ms: 50 + 427 steps)."""
+    records the change. On the fast machine the re-fit at the evaluation at step 300
+    raises it again, to 489 (0.398 s left at 2.1 ms: the 5% margin was not needed);
+    Ctrl-C'd at step 350 (checkpoint at 300) and resumed as the demo resumes (the saved
+    train_config.json and the same budget) on a machine twice as fast, the run keeps the
+    fitted value instead of fitting again (a resumed run is only lowered). Virtual clock:
+    setup, compiles and evaluations take no time; the fit expects each step to take 5%
+    longer than measured (1 s budget, 0.1 s spent at step 50, at 2.1 ms: 50 + 427 steps;
+    0.002 s kept for the recompile)."""
     clock, schedules = virtual_clock(monkeypatch), []
     cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
                              max_steps=200, warmup_steps=L.FIT_STEPS, eval_interval=150,
@@ -175,22 +180,25 @@ def test_the_budget_fit_raises_or_lowers_max_steps_and_a_resume_keeps_it(
         assert schedules == [200, 200, fitted]
         assert summary["steps"] == summary["max_steps"] == fitted
         assert summary["budget_fits"] == [
-            {"step": 50, "from": 200, "to": fitted, "ms_per_step": 1e3 * step_s}]
+            {"step": 50, "from": 200, "to": fitted, "ms_per_step": 1e3 * step_s,
+             "first": True}]
         assert json.loads(saved.read_text())["max_steps"] == fitted
         assert clock[0] <= cfg.time_budget_s
         return
     steps_taking(monkeypatch, clock, step_s, schedules, stop_at=350)
     with pytest.raises(KeyboardInterrupt):
         T.train(cfg)
-    assert schedules == [200, 200, fitted] and json.loads(saved.read_text())["max_steps"] == fitted
+    assert schedules == [200, 200, fitted, refitted]
+    assert json.loads(saved.read_text())["max_steps"] == refitted
     clock[0], schedules[:] = 0.0, []
     steps_taking(monkeypatch, clock, step_s / 2, schedules)
     resumed = dataclasses.replace(T.base_config(None, cfg.run_dir), time_budget_s=1.0)
     summary = T.train(resumed)
-    assert schedules == [fitted, fitted] and summary["steps"] == summary["max_steps"] == fitted
+    assert schedules == [refitted, refitted]
+    assert summary["steps"] == summary["max_steps"] == refitted
     assert summary["budget_fits"] == []  # resumed at 300, from the checkpoint there:
-    assert [row["step"] for row in report.read_metrics(cfg.run_dir)] == [150, 300, 450, fitted]
-    assert json.loads(saved.read_text())["max_steps"] == fitted
+    assert [row["step"] for row in report.read_metrics(cfg.run_dir)] == [150, 300, 450, refitted]
+    assert json.loads(saved.read_text())["max_steps"] == refitted
 
 
 def test_a_slow_compile_is_charged_once_not_to_every_step_of_the_next_call(corpus, tmp_path,
@@ -249,8 +257,10 @@ def test_a_run_that_slows_down_fits_its_schedule_again(corpus, tmp_path, monkeyp
     max_steps is fitted again after each evaluation when the steps have slowed. On a virtual
     clock (the loop's `time.perf_counter`: setup, compiles and evaluations take no time)
     every step takes 5 ms until the first fit at step 50, then 25 ms: the run is fitted
-    again, records the last fit (train_config.json, the summary) and ends at it, where the
-    warmup's fit alone stopped the run at a quarter of its schedule."""
+    again at the next evaluation from the mean of both sides of the slowdown, again at
+    the one after from the slow steps alone, records the last fit (train_config.json, the
+    summary) and ends at it, where the warmup's fit alone stopped the run at a quarter of
+    its schedule."""
     clock = virtual_clock(monkeypatch)
     done = [0]
     make_train_steps = T.make_train_steps
@@ -268,17 +278,48 @@ def test_a_run_that_slows_down_fits_its_schedule_again(corpus, tmp_path, monkeyp
 
     monkeypatch.setattr(T, "make_train_steps", slowing)
     cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
-                             max_steps=100_000, warmup_steps=L.FIT_STEPS, eval_interval=25,
+                             max_steps=100_000, warmup_steps=L.FIT_STEPS, eval_interval=100,
                              time_budget_s=8.0)
     summary = T.train(cfg)
     fits = [(int(a), int(b)) for a, b in
             re.findall(r"max_steps (\d+) -> (\d+)", capsys.readouterr().out)]
-    # 8 s at 5.25 ms a step (the 5% margin); then, at the evaluation at step 75 (0.875 s in,
-    # the recompiling one-step call at step 50 taking 25 ms), 7.1 s left at 26.25 ms: 270 more
-    assert fits == [(100_000, 1525), (1525, 345)], fits
+    # 8 s at 5.25 ms a step (the 5% margin); then, at the evaluation at step 100 (1.5 s in,
+    # the recompiling one-step call at step 50 taking 25 ms, kept for the next recompile),
+    # 6.475 s left at 1.05 x 15 ms (the mean of 49 steps at 5 ms and 49 at 25): 411 more;
+    # at step 200 (4 s in), 3.975 s left at 1.05 x 25 ms: 151 more
+    assert fits == [(100_000, 1525), (1525, 511), (511, 351)], fits
     final = json.loads((tmp_path / "run" / "train_config.json").read_text())["max_steps"]
-    assert summary["steps"] == summary["max_steps"] == final == 345, summary
+    assert summary["steps"] == summary["max_steps"] == final == 351, summary
     assert clock[0] <= cfg.time_budget_s
+
+
+def test_a_run_that_speeds_up_is_fitted_again_to_a_longer_schedule(corpus, tmp_path,
+                                                                   monkeypatch):
+    """Fault: after the first fit, a re-fit could only lower max_steps, from the median of
+    the last 50 steps, so a run whose steps went faster ended its schedule with the budget
+    unused (an idle `make demo`: lowered at step 2000 from 50 steps at 34.8 ms where the
+    next 10,000 took 33.1 ms: 39 s of 450 unused, val 1.5008 for a 1.50 target). Now a
+    re-fit after an evaluation raises it too, from the mean of the evaluation interval's
+    steps. On the virtual clock steps take 10 ms until the first fit, then 4 ms (1.1 s
+    budget, an evaluation every 50 steps): the first fit (step 50, 0.5 s spent, 0.01 s kept
+    for the recompile) lowers 200 to 50 + 56 (0.59 s at 10.5 ms), the re-fit at step 100
+    (the last 50 steps' mean: one at 10 ms, 49 at 4 ms, 4.12 ms) raises it to 100 + 90
+    (0.39 s at 4.33 ms), the schedule is made again at each length, and the run ends at
+    the last with the schedule, within the budget and using all but 0.04 s of it (at step
+    150 too few steps are left to pay for another recompile)."""
+    clock, schedules = virtual_clock(monkeypatch), []
+    steps_taking(monkeypatch, clock, lambda k: 0.010 if k < L.FIT_STEPS else 0.004, schedules)
+    cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
+                             max_steps=200, warmup_steps=L.FIT_STEPS, eval_interval=50,
+                             sample_tokens=0, time_budget_s=1.1)
+    summary = T.train(cfg)
+    fits = [(f["step"], f["from"], f["to"], f["ms_per_step"], f["first"])
+            for f in summary["budget_fits"]]
+    assert fits == [(50, 200, 106, 10.0, True), (100, 106, 190, 4.12, False)], fits
+    assert schedules == [200, 200, 106, 190], schedules
+    assert summary["steps"] == summary["max_steps"] == 190, summary
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["max_steps"] == 190
+    assert cfg.time_budget_s - 0.05 < clock[0] <= cfg.time_budget_s, clock
 
 
 @pytest.mark.parametrize("spent_s, changed", [(9.5, False), (5.0, True)])

@@ -91,14 +91,16 @@ def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
 
 
 def budget_line(summary: dict) -> str | None:
-    """How the time budget changed the run's step count: each fit of max_steps (raised on a
-    machine faster than the preset assumes, lowered on a slower one, so the learning-rate
-    schedule ends with the run), and a stop before the schedule's end. None when it changed
-    nothing (or the summary predates the fits)."""
+    """How the time budget changed the run's step count: each fit of max_steps (the first
+    raised on a machine faster than the preset assumes, lowered on a slower one; each later
+    one after an evaluation whose interval's steps were faster or slower than the fit
+    before allowed for; so the learning-rate schedule ends with the run), and a stop before
+    the schedule's end. None when it changed nothing (or the summary predates the fits)."""
     notes = []
-    for fit in summary.get("budget_fits") or []:
-        why = "raised: the steps were faster than the preset's" if fit["to"] > fit["from"] \
-            else "lowered: the steps were slower than the preset's"
+    for i, fit in enumerate(summary.get("budget_fits") or []):
+        than = "the preset's" if fit.get("first", i == 0) else "the fit before allowed for"
+        why = f"raised: the steps were faster than {than}" if fit["to"] > fit["from"] \
+            else f"lowered: the steps were slower than {than}"
         notes.append(f"max_steps {fit['from']} -> {fit['to']} at step {fit['step']} "
                      f"({why}, {fit['ms_per_step']:.1f} ms/step measured)")
     if summary.get("max_steps", summary["steps"]) > summary["steps"]:  # past the first fit

@@ -32,10 +32,10 @@ from training.step import TrainState, evaluate
 
 # With a time budget, max_steps is fitted to it after the first FIT_STEPS steps (or at the end
 # of the warmup, if sooner and at least FIT_MIN_STEPS measured), raised or lowered, each step
-# expected to take FIT_MARGIN longer than the median of the last FIT_STEPS measured (at most
-# one evaluation interval's), and lowered again after each evaluation when the steps have
-# slowed enough to lower it by more than REFIT_SLACK (each fit compiles the step again):
-# `Loop.fit_to_budget`.
+# expected to take FIT_MARGIN longer than the median of those steps; then fitted again after
+# each evaluation, raised or lowered, from the mean of the last evaluation interval's steps,
+# when that moves it by more than REFIT_SLACK of the steps left (each fit compiles the step
+# again): `Loop.fit_to_budget`.
 FIT_STEPS, FIT_MIN_STEPS, FIT_MARGIN, REFIT_SLACK = 50, 5, 0.05, 0.02
 
 
@@ -66,12 +66,14 @@ class Loop:
         self.started = started  # perf_counter() when the run began: the budget counts from it
         self.step_s = 0.0  # the last call's wall time per step, calls that compile left out
         self.finish_s = 0.0  # the last evaluation + checkpoint's: what ending the run takes
-        # the longest call that compiled (the first, one after a fit); the last FIT_STEPS
-        # other steps' (per step of their calls)
-        self.compile_s, self.fit_times = 0.0, collections.deque(maxlen=FIT_STEPS)
+        # the longest call that compiled (the first, one after a fit); the last FIT_STEPS or
+        # evaluation interval's other steps' (whichever is more; per step of their calls)
+        self.compile_s = 0.0
+        self.fit_times = collections.deque(maxlen=max(FIT_STEPS, cfg.eval_interval))
         self.compile_step = None  # the step whose call compiles: the first, the first after a fit
         self.fit_at = None  # the step of the first fit to the budget (None: no fit)
-        self.fits = []  # each fit that changed max_steps: step, from, to, ms per step measured
+        self.resumed = False  # started from a checkpoint: keeps its fitted max_steps
+        self.fits = []  # each fit that changed max_steps: step, from, to, ms/step, first?
         # batches placed for a call: as many as its steps can be (made again at a fit)
         self.call_size = min(cfg.steps_per_call, cfg.eval_interval, cfg.max_steps)
 
@@ -83,6 +85,7 @@ class Loop:
         run: that is how another process stopping shows on this one."""
         cfg = self.cfg
         self.step = self.saved_step = self.compile_step = start
+        self.resumed = start > 0
         if cfg.time_budget_s and start < cfg.max_steps:
             self.warm_up(state)
         train_steps = make_step(cfg)
@@ -155,39 +158,56 @@ class Loop:
         fit raises or lowers it, inside the warmup when the warmup is long enough, whose
         learning rates do not depend on max_steps: the run then equals one started with the
         fitted max_steps (same batches, same updates); past the warmup the schedule is
-        made again at the fitted length. Called again after each evaluation, it lowers
-        max_steps once more when the steps have slowed (a machine that got busier): the
-        rest of the cosine is compressed, so the learning rate steps down once, and the
-        schedule still ends within the budget. train_config.json records each value, so a
-        resumed run keeps it. Each step is expected to take the median of the last
-        `FIT_STEPS` (at most the last evaluation interval's: a median over both sides of a
-        slowdown would still be fast) plus `FIT_MARGIN`, each evaluation as long as the
-        last, the recompile as long as the longest call that compiled. Returns whether it
-        changed: past the `first` fit, only lower, by more than `REFIT_SLACK` and with an
-        evaluation interval of steps left (each fit compiles the step again; near the end
-        `out_of_time` stops the run instead)."""
+        made again at the fitted length. Called again after each evaluation, it raises or
+        lowers max_steps once more when the steps' speed has moved (a machine that got
+        busier or quieter, or the margin below not needed): the rest of the cosine is
+        stretched or compressed, so the learning rate steps up or down once, and the
+        schedule still ends with the run. A resumed run keeps the value it was fitted to
+        (train_config.json records each) and is only lowered.
+
+        Each step is expected to take `FIT_MARGIN` longer than measured: at the first fit
+        the median of its (at most `FIT_STEPS`) steps, a few calls where one slow call
+        should not count; at a re-fit the mean of the last evaluation interval's steps,
+        what those steps took, slow calls included (the median of the last 50 steps, 34.8
+        ms at step 2000 of an idle `make demo`, lowered it by 1218 steps where the next
+        10,000 averaged 33.1 ms), and a slowdown seen within one interval. Each evaluation
+        is expected to take as long as the last, the recompile as long as the longest call
+        that compiled. The margin leaves room for steps slower than measured after the
+        last fit (under load only the first fit may come before the run ends); as re-fits
+        raise max_steps too, what it leaves unused on a steady machine is its share of the
+        time after the last re-fit. Returns whether it changed: past the `first` fit, only
+        by more than `REFIT_SLACK` of the steps left and with an evaluation interval of
+        steps left (each fit compiles the step again; near the end `out_of_time` stops the
+        run instead)."""
         cfg, now = self.cfg, time.perf_counter()
         recent = list(self.fit_times)[-cfg.eval_interval:]  # at most one interval's
-        step_s = float(np.median(recent)) * (1 + FIT_MARGIN)
+        measured_s = float(np.median(recent) if first else np.mean(recent))
         left = self.started + cfg.time_budget_s - now - self.compile_s - self.finish_s
-        per_step = step_s + self.finish_s / cfg.eval_interval
+        per_step = measured_s * (1 + FIT_MARGIN) + self.finish_s / cfg.eval_interval
         steps = max(self.step + 1, self.step + int(left // per_step))
         if jax.process_count() > 1:  # process 0's clock decides for all (before any return)
             from jax.experimental import multihost_utils
 
             steps = int(multihost_utils.broadcast_one_to_all(np.int64(steps)))
-        if not first and steps - self.step < cfg.eval_interval:
-            return False  # too few steps left to pay for a recompile: the guard ends the run
-        if steps == cfg.max_steps or (not first and steps >= cfg.max_steps * (1 - REFIT_SLACK)):
+        if not first:
+            if steps - self.step < cfg.eval_interval:
+                return False  # too few steps left to pay for a recompile: the guard ends it
+            if self.resumed:
+                steps = min(steps, cfg.max_steps)
+            if abs(steps - cfg.max_steps) <= REFIT_SLACK * (cfg.max_steps - self.step):
+                return False
+        if steps == cfg.max_steps:
             return False
-        measured_ms = 1e3 * step_s / (1 + FIT_MARGIN)
+        measured_ms = 1e3 * measured_s
         self.say(bar, f"time budget of {cfg.time_budget_s:g} s: max_steps {cfg.max_steps} -> "
-                      f"{steps} at step {self.step} ({measured_ms:.1f} ms/step measured), "
+                      f"{steps} at step {self.step} ({measured_ms:.1f} ms/step, the "
+                      f"{'median' if first else 'mean'} of the last {len(recent)} measured), "
                       "so the learning-rate schedule ends with the run")
         self.fits.append({"step": self.step, "from": cfg.max_steps, "to": steps,
-                          "ms_per_step": round(measured_ms, 2)})
+                          "ms_per_step": round(measured_ms, 2), "first": first})
         self.cfg = dataclasses.replace(cfg, max_steps=steps)
         self.call_size = min(cfg.steps_per_call, cfg.eval_interval, steps)
+        self.next_batch = (-1, None)  # placed for the old call size: placed again
         self.compile_step, bar.total = self.step, steps
         if self.primary:
             checkpoint.write_json_atomic(Path(cfg.run_dir) / "train_config.json",
@@ -348,8 +368,9 @@ class Loop:
         and val losses; train_seconds, the wall time of the steps run, those that compile
         left out (not setup, evaluations or checkpoints), and tokens_per_s over those same
         steps; budget_fits, each change of max_steps by the time budget (`fit_to_budget`:
-        the step it was made at, from, to, and the ms per step it measured). With no step
-        run (a finished run resumed), train_loss is null, not NaN."""
+        the step it was made at, from, to, the ms per step it measured, and whether it was
+        the first fit or a re-fit after an evaluation). With no step run (a finished run
+        resumed), train_loss is null, not NaN."""
         return {"steps": self.step, "max_steps": self.cfg.max_steps, "train_loss": None,
                 **self.evals, "train_seconds": self.train_seconds,
                 "tokens_per_s": self.tokens_per_s(), "budget_fits": self.fits}
