@@ -39,7 +39,6 @@ from inference.mixed import blocks, engine_mixed, mixed_batch
 from inference.sampling import prompt_hash
 from inference.sampling_params import SamplingParams
 from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
-from inference.spec_cost import verify_cost
 from inference.spec_engine import SpecSlots, engine_speculate
 from inference.speculative import width_of
 from inference.steps import PAGE_SIZE, decode_step, prefill
@@ -405,9 +404,8 @@ class Engine:
             n_rows=n_rows, pad_id=0)
         self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
 
-    def _spec_arrays(self, cost: float = 1.0):
-        return SpecSlots.arrays(self.scheduler.active, self.max_slots, self.config.max_seq_len,
-                                cost)
+    def _spec_arrays(self):
+        return SpecSlots.arrays(self.scheduler.active, self.max_slots, self.config)
 
     def _decode(self, running: list[Sequence]) -> None:
         """One chunk of decode steps over the running slots, gathered compactly (a
@@ -420,7 +418,7 @@ class Engine:
         width = width_of([q.sampling for q in running])
         if width and not window_slots.shape[0]:  # speculative rows, none near a "crop"
             width = bucket(width)  # few programs
-            arrays = self._spec_arrays(verify_cost(self.config, width))
+            arrays = self._spec_arrays()
             args = (self._page_table(), jnp.asarray(live), rows, stops, arrays)
             static = dict(n_rows=decode_rows(max(q.slot for q in running) + 1, self.max_slots),
                           width=width, pad_id=0)

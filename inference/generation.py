@@ -30,7 +30,7 @@ from gpt_jax.config import GPTConfig
 from gpt_jax.params import Params, check_params, decode_layout
 from inference import stopping
 from inference import draft as draft_model
-from inference import spec_cost, speculative
+from inference import speculative
 from inference.constraint_mask import constraint_arrays
 from inference.constraints import automaton
 from inference.decode import (CHUNK, DecodeState, decode_loop, init_state, prompt_seen,
@@ -224,8 +224,7 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0, tokenizer=None) 
         n_steps=n_steps,
         n_top=min(MAX_LOGPROBS, config.vocab_size) if want_logprobs else 0,
         forked=n_real > len(prompts),
-        spec=speculative.SpecArrays.from_params(
-            padded, spec_cost.verify_cost(config, speculative.width_of(rows))),
+        spec=speculative.SpecArrays.from_params(padded, config),
         spec_width=0 if outgrows else speculative.width_of(rows),
     )
 

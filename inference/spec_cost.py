@@ -71,9 +71,12 @@ def verify_cost(config: GPTConfig, width: int) -> float:
     return (1 - share) * _ratio_at(t_small, T) + share * _ratio_at(t_large, T)
 
 
-def cost_array(cost: float, rows: int) -> np.ndarray:
-    """`cost` for each of `rows` rows, float32 (`inference.speculative.SpecArrays.cost`)."""
-    return np.full(rows, cost, np.float32)
+def row_costs(config: GPTConfig, ks) -> np.ndarray:
+    """`verify_cost` of each row's own k (0: not speculative, cost 1), float32
+    (`inference.speculative.SpecArrays.cost`). A row's own k, not the batch's width: when
+    it drafts must not depend on its neighbours, or a seeded sampled request would not
+    reproduce in another batch."""
+    return np.array([verify_cost(config, int(k)) for k in ks], np.float32)
 
 
 def expected_tokens(rate, k):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inference.batching import _first_rows, _put_first_rows
-from inference.spec_cost import cost_array
+from inference.spec_cost import row_costs
 from inference.decode import DecodeState
 from inference.speculative import (NO_RATE, PAUSE_START, SpecArrays, SpecState,
                                    speculative_chunk)
@@ -52,6 +52,16 @@ def engine_speculate(params, config, state: DecodeState, spec: SpecState, page_t
     return _put_first_rows(state, sub), jax.tree.map(put, spec, sub_spec)
 
 
+@jax.jit
+def _restart(state: SpecState, k_max, joining) -> SpecState:
+    """`state` with the `joining` slots (bool `[S]`, host array: one program for any set of
+    slots) drafting afresh at their `k_max`."""
+    return state.replace(k=jnp.where(joining, k_max, state.k),
+                         pause=jnp.where(joining, 0, state.pause),
+                         backoff=jnp.where(joining, PAUSE_START, state.backoff),
+                         rate=jnp.where(joining, NO_RATE, state.rate))
+
+
 class SpecSlots:
     """The Engine's speculative side: each slot's adaptive state and counters on the
     device (`SpecState`; the counters are totals over every request the slot has held)."""
@@ -62,33 +72,30 @@ class SpecSlots:
         self.state = jax.tree.map(jnp.copy, SpecState.init(SpecArrays(zeros, zeros, zeros)))
 
     @staticmethod
-    def arrays(active, max_slots: int, max_seq_len: int, cost: float = 1.0) -> SpecArrays:
-        """Per-slot settings of the active sequences, each weighing `cost`
-        (`SpecArrays.cost`; `use_draft` None when none drafts with a draft model); a "crop"
-        request (one that may outgrow the context) and a free
-        slot do not speculate."""
+    def arrays(active, max_slots: int, config) -> SpecArrays:
+        """Per-slot settings of the active sequences of a model of `config` (each slot's
+        cost `spec_cost.row_costs`; `use_draft` None when none drafts with a draft model); a
+        "crop" request (one that may outgrow the context) and a free slot do not
+        speculate."""
         k, lo, hi = (np.zeros(max_slots, np.int32) for _ in range(3))
         use_draft = np.zeros(max_slots, bool)
         for q in active:
             sp = q.sampling
-            fits = len(q.prompt) + sp.max_new_tokens <= max_seq_len
+            fits = len(q.prompt) + sp.max_new_tokens <= config.max_seq_len
             k[q.slot] = sp.num_speculative_tokens if sp.speculative and fits else 0
             lo[q.slot], hi[q.slot] = sp.prompt_lookup_min, sp.prompt_lookup_max
             use_draft[q.slot] = sp.speculative == "draft" and fits
         return SpecArrays(*map(jnp.asarray, (k, lo, hi)),
                           use_draft=jnp.asarray(use_draft) if use_draft.any() else None,
-                          cost=jnp.asarray(cost_array(cost, max_slots)))
+                          cost=row_costs(config, k))  # numpy: no staging program
 
     def insert(self, slots: list[int], arrays: SpecArrays) -> None:
         """Sequences joining the decode batch at `slots` (new, or preempted and admitted
         again) start drafting afresh."""
         if slots:
-            at = jnp.asarray(slots)
-            s = self.state
-            self.state = s.replace(k=s.k.at[at].set(arrays.k_max[at]),
-                                   pause=s.pause.at[at].set(0),
-                                   backoff=s.backoff.at[at].set(PAUSE_START),
-                                   rate=s.rate.at[at].set(NO_RATE))
+            joining = np.zeros(self.state.k.shape, bool)
+            joining[slots] = True
+            self.state = _restart(self.state, arrays.k_max, joining)
 
     def stats(self) -> dict:
         """Totals over every request so far: drafted and accepted tokens, the acceptance

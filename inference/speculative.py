@@ -52,7 +52,7 @@ import numpy as np
 from flax import struct
 
 from inference import stopping
-from inference.spec_cost import expected_tokens
+from inference.spec_cost import expected_tokens, row_costs
 from inference.decode import CHUNK, DecodeState, record_token, sample_and_record
 from inference.sampling import greedy_tokens, prepare_logits, row_keys, scaled_logits
 from inference.sampling_params import MAX_NGRAM
@@ -74,21 +74,23 @@ class SpecArrays:
     # [B] bool, the row drafts with the draft model (`inference.draft`), not n-grams; None:
     # no row does
     use_draft: jax.Array | None = None
-    # [B] float32, decode steps a verification costs (`spec_cost.verify_cost`); a row drafts
-    # while it expects more tokens per verification. 1: only failing drafts stop it
+    # [B] float32, decode steps a verification of the row's k costs (`spec_cost.row_costs`);
+    # a row drafts while it expects more tokens per verification. 1: only failing drafts
+    # stop it
     cost: jax.Array | float = 1.0
 
     @classmethod
-    def from_params(cls, rows, cost: float = 1.0):
-        """The arrays of these rows' SamplingParams, each row weighing `cost` (`use_draft`
-        None when no row drafts with a draft model)."""
+    def from_params(cls, rows, config):
+        """The arrays of these rows' SamplingParams for a model of `config` (each row's cost
+        `spec_cost.row_costs`; `use_draft` None when no row drafts with a draft model)."""
+        ks = [r.num_speculative_tokens if r.speculative else 0 for r in rows]
         col = lambda f: jnp.asarray(np.array([f(r) for r in rows], np.int32))  # noqa: E731
         drafted = [r.speculative == "draft" for r in rows]
-        return cls(k_max=col(lambda r: r.num_speculative_tokens if r.speculative else 0),
+        return cls(k_max=jnp.asarray(np.array(ks, np.int32)),
                    ngram_min=col(lambda r: r.prompt_lookup_min),
                    ngram_max=col(lambda r: r.prompt_lookup_max),
                    use_draft=jnp.asarray(drafted) if any(drafted) else None,
-                   cost=jnp.full((len(rows),), cost, jnp.float32))
+                   cost=jnp.asarray(row_costs(config, ks)))
 
 
 def width_of(rows) -> int:

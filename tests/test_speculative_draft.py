@@ -84,10 +84,10 @@ def test_greedy_with_itself_as_draft_accepts_all_and_stops_inside_runs(model, gr
         assert lost == 0 if c.finish_reason == "length" else lost < k
         assert s["accepted"] > 0 or len(c.tokens) == 1  # (an EOS as the first token)
     # the stopped rows that keep drafting (all accepted, k + 1 tokens per verification beat
-    # its cost; `spec_cost`) ran fewer forward steps than they emitted tokens: their stops
+    # the cost of verifying k; `spec_cost`) ran fewer forward steps than they emitted tokens: their stops
     # came inside accepted runs
     paying = [c for c, k in drafted[4:]
-              if k + 1 > verify_cost(config, 5) and len(c.tokens) > 2]
+              if k + 1 > verify_cost(config, k) and len(c.tokens) > 2]
     assert len(paying) >= 4
     assert all(c.speculation["steps"] < len(c.tokens) for c in paying)
     assert {c.finish_reason for c in on[4:]} == {"length", "eos", "stop"}
