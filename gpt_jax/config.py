@@ -191,6 +191,10 @@ PRESETS: dict[str, GPTConfig] = {
     # positions learn long contexts where learned ones did not (training/README.md).
     "shakespeare-char-llama": GPTConfig(vocab_size=96, max_seq_len=128, n_layers=4, n_heads=4,
                                         d_model=128, intermediate_size=344, **LLAMA),
+    # A draft model for it (speculative decoding, issue 38): the same block at half the width
+    # and depth, about 1/8 of its parameters (0.10M against 0.80M at vocabulary 65).
+    "shakespeare-char-draft": GPTConfig(vocab_size=96, max_seq_len=128, n_layers=2, n_heads=4,
+                                        d_model=64, intermediate_size=160, **LLAMA),
     # nanoGPT's shakespeare_char model with its README's CPU overrides (n_layer 4, n_head 4,
     # n_embd 128, block_size 64); vocab_size is replaced by the tokenizer's (65 on that corpus).
     "nanogpt-cpu": GPTConfig(vocab_size=65, max_seq_len=64, n_layers=4, n_heads=4, d_model=128),

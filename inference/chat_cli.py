@@ -38,6 +38,7 @@ import threading
 import time
 
 from inference.chat import HOW_TO_SUPPLY
+from inference.draft_engine import add_draft_args, read_draft
 from inference.sampling_flags import add_sampling_args, refusal, sampling_from_args
 from inference.llm import LLM
 from inference.load import add_model_args
@@ -55,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "chat_template.jinja or tokenizer_config.json's)")
     p.add_argument("--system", default=None, help="the system message to start with")
     add_sampling_args(p)
+    add_draft_args(p)
     return p.parse_args(argv)
 
 
@@ -196,10 +198,11 @@ def load(args) -> LLM:
         sampling = sampling_from_args(args)
         if sampling.n != 1 or sampling.logprobs is not None:
             raise ValueError("--n and --logprobs do not apply to a chat (one reply, as text)")
+        draft = read_draft(args)  # --speculative draft's model, checked by LLM
         llm = (LLM.from_pretrained(args.hf_checkpoint, args.dtype, args.quantize,
-                                   args.chat_template) if args.hf_checkpoint else
+                                   args.chat_template, draft=draft) if args.hf_checkpoint else
                LLM.from_checkpoint(args.run_dir, None, args.dtype, args.quantize,
-                                   args.chat_template))
+                                   args.chat_template, draft=draft))
     except (OSError, ValueError) as error:
         raise refusal(error, "chat") from None
     if llm.chat_template is None:

@@ -5,6 +5,7 @@ Usage:
   gpt-jax generate --run-dir runs/shakespeare-char --prompt "Juliet.\n" --temperature 0.8
   gpt-jax generate --hf-checkpoint DIR --prompt "Hello" --temperature 0
   gpt-jax generate --hf-checkpoint DIR --prompt-ids 464,2068 --prompt-ids 40
+  gpt-jax generate --run-dir runs/big --speculative draft --draft-run-dir runs/small
 
 Every SamplingParams field is a flag. Past the model's context each token is predicted from
 the last max_seq_len tokens, as nanoGPT's sample.py does (--context-overflow crop, the
@@ -32,6 +33,7 @@ import numpy as np
 from gpt_jax.cache import cache_bytes, pages_for
 from inference import compile_cache
 from inference.generation import generate, pack, validate
+from inference.draft_engine import add_draft_args, read_draft
 from inference.llm import LLM, with_stop_ids
 from inference.load import add_model_args
 from inference.sampling_flags import (DEFAULT_MAX_NEW_TOKENS, add_sampling_args, ids_arg,
@@ -49,6 +51,7 @@ def parse_args(argv=None):
                    help="token-id prompt, comma-separated (repeatable): prints the generated "
                         "ids, one comma-separated line per completion")
     add_sampling_args(p)
+    add_draft_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of streamed text")
     p.add_argument("--report", action="store_true", help="print timing and KV cache size")
     compile_cache.add_flag(p)
@@ -134,7 +137,8 @@ def report(llm: LLM, prompts: list[str], sampling: SamplingParams, file=None) ->
 
 def load_llm(args) -> LLM:
     """The --run-dir run (`LLM.from_checkpoint`) or the --hf-checkpoint directory
-    (`LLM.from_pretrained`: its tokenizer and EOS ids) as an LLM.
+    (`LLM.from_pretrained`: its tokenizer and EOS ids) as an LLM, with the --draft-run-dir or
+    --draft-hf-checkpoint draft model (`read_draft`; checked by `LLM`) if given.
 
     Raises:
       SystemExit: both --prompt and --prompt-ids; text prompts for a Hugging Face directory
@@ -142,9 +146,12 @@ def load_llm(args) -> LLM:
     """
     if args.prompt and args.prompt_ids:
         raise SystemExit("gpt-jax generate: give --prompt or --prompt-ids, not both")
+    draft = read_draft(args)
     if not args.hf_checkpoint:
-        return LLM.from_checkpoint(args.run_dir, dtype=args.dtype, quantize=args.quantize)
-    llm = LLM.from_pretrained(args.hf_checkpoint, dtype=args.dtype, quantize=args.quantize)
+        return LLM.from_checkpoint(args.run_dir, dtype=args.dtype, quantize=args.quantize,
+                                   draft=draft)
+    llm = LLM.from_pretrained(args.hf_checkpoint, dtype=args.dtype, quantize=args.quantize,
+                              draft=draft)
     if llm.tokenizer is None and not args.prompt_ids:
         raise SystemExit(f"gpt-jax generate: {args.hf_checkpoint} has no tokenizer "
                          f"(tokenizer.json, or vocab.json + merges.txt); pass --prompt-ids")
@@ -159,7 +166,7 @@ def print_token_ids(llm: LLM, prompts: list[tuple[int, ...]], sampling: Sampling
     """
     try:
         outputs = generate(llm.params, llm.config, [list(p) for p in prompts],
-                           with_stop_ids(sampling, list(llm.eos_token_ids)))
+                           with_stop_ids(sampling, list(llm.eos_token_ids)), draft=llm.draft)
     except ValueError as error:
         raise refusal(error) from None
     for out in outputs:

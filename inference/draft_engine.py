@@ -1,8 +1,8 @@
 """A draft model in `Engine` (`Engine(..., draft=(params, config))`): `EngineDraft`, the
 draft model's weights, paged cache and per-slot state, its prefill program
 (`draft_prefill`) and the speculative chunk program with it (`engine_draft_speculate`);
-and the command-line flags that load one (`add_draft_args`, `load_draft`: `gpt-jax serve
---draft-run-dir DIR | --draft-hf-checkpoint DIR`).
+and the command-line flags that load one (`add_draft_args`, `read_draft`, `load_draft`:
+`gpt-jax serve | generate | chat --draft-run-dir DIR | --draft-hf-checkpoint DIR`).
 
 The draft's page pools have the target's page count and size and are indexed by the same
 page table (`Engine._page_table`), so a slot's draft keys and values follow its pages
@@ -137,14 +137,14 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
                              "tokenizer as the model)")
 
 
-def load_draft(args, config: GPTConfig, tokenizer):
-    """`(params, config)` of the --draft-run-dir or --draft-hf-checkpoint model, checked
-    against the served model's `config` and `tokenizer` (`inference.draft.check_draft`), or
-    None without either flag.
+def read_draft(args):
+    """`(params, config, tokenizer)` of the --draft-run-dir or --draft-hf-checkpoint model
+    (the tokenizer None for a Hugging Face directory without one), not yet checked against
+    a target, or None without either flag.
 
     Raises:
-      FileNotFoundError, ValueError: as `gpt_jax.checkpoint.load_params`, `gpt_jax.hf.load_hf`
-        and `check_draft` do.
+      FileNotFoundError, ValueError: as `gpt_jax.checkpoint.load_params` and
+        `gpt_jax.hf.load_hf` do.
     """
     if args.draft_run_dir:
         draft_config, params, draft_tokenizer = checkpoint.load_params(args.draft_run_dir)
@@ -155,5 +155,19 @@ def load_draft(args, config: GPTConfig, tokenizer):
         draft_tokenizer = load_hf_tokenizer(args.draft_hf_checkpoint)
     else:
         return None
-    check_draft(config, draft_config, tokenizer, draft_tokenizer)
-    return params, draft_config
+    return params, draft_config, draft_tokenizer
+
+
+def load_draft(args, config: GPTConfig, tokenizer):
+    """`(params, config)` of the --draft-run-dir or --draft-hf-checkpoint model (`read_draft`),
+    checked against the served model's `config` and `tokenizer` (`inference.draft.check_draft`),
+    or None without either flag.
+
+    Raises:
+      FileNotFoundError, ValueError: as `read_draft` and `check_draft` do.
+    """
+    draft = read_draft(args)
+    if draft is None:
+        return None
+    check_draft(config, draft[1], tokenizer, draft[2])
+    return draft[:2]

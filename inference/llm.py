@@ -165,18 +165,19 @@ class LLM:
     @classmethod
     def from_checkpoint(cls, run_dir, step: int | None = None, dtype="float32",
                         quantize: str | None = None, chat_template=None, mesh=None,
-                        compile_cache: bool = True) -> LLM:
+                        compile_cache: bool = True, draft=None) -> LLM:
         """Load the latest (or given) checkpoint of a training run directory (see `LLM` for
-        `dtype`, `quantize`, `mesh` and `compile_cache`). `chat_template`: a template file;
-        None takes the run directory's, if it has one (`ChatTemplate.load`)."""
+        `dtype`, `quantize`, `mesh`, `compile_cache` and `draft`). `chat_template`: a template
+        file; None takes the run directory's, if it has one (`ChatTemplate.load`)."""
         config, params, tokenizer = checkpoint.load_params(run_dir, step)
         template = ChatTemplate.load(run_dir, chat_template)
         return cls(params, config, tokenizer, dtype, quantize, template, mesh=mesh,
-                   compile_cache=compile_cache)
+                   compile_cache=compile_cache, draft=draft)
 
     @classmethod
     def from_pretrained(cls, hf_dir, dtype="float32", quantize: str | None = None,
-                        chat_template=None, mesh=None, compile_cache: bool = True) -> LLM:
+                        chat_template=None, mesh=None, compile_cache: bool = True,
+                        draft=None) -> LLM:
         """Load a Hugging Face directory of any family `gpt_jax.load_hf` reads, with its
         tokenizer (`gpt_jax.hf.load_hf_tokenizer`; None when it has none: token-id prompts
         only), every EOS id of config.json and generation_config.json, and its chat template
@@ -187,7 +188,8 @@ class LLM:
         config, params = load_hf(hf_dir)
         template = ChatTemplate.load(hf_dir, chat_template)
         return cls(params, config, load_hf_tokenizer(hf_dir), dtype, quantize, template,
-                   load_hf_eos_token_ids(hf_dir), mesh=mesh, compile_cache=compile_cache)
+                   load_hf_eos_token_ids(hf_dir), mesh=mesh, compile_cache=compile_cache,
+                   draft=draft)
 
     def _encode(self, prompts) -> list[list[int]]:
         """Token ids of each text prompt. Raises TypeError for a bare string (which would

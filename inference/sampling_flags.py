@@ -24,6 +24,9 @@ FIELD_FLAGS = {
 }
 # The fields that only speculative decoding reads: their flags need --speculative.
 SPECULATIVE_ONLY = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+# The draft model's flags (`inference.draft_engine.add_draft_args`) -> their args attribute:
+# they need --speculative draft, and it needs one of them.
+DRAFT_FLAGS = {"--draft-run-dir": "draft_run_dir", "--draft-hf-checkpoint": "draft_hf_checkpoint"}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -59,8 +62,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="structured output: the text is one of these (repeatable)")
     s.add_argument("--json-object", action="store_true",
                    help="structured output: the text is a JSON object")
-    s.add_argument("--speculative", choices=["ngram"], default=None,
-                   help="speculative decoding: ngram = prompt lookup (default: off)")
+    s.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                   help="speculative decoding: ngram = prompt lookup, draft = a draft model "
+                        "(--draft-run-dir or --draft-hf-checkpoint) (default: off)")
     s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="tokens drafted per step with --speculative (default: "
                         f"{SamplingParams.num_speculative_tokens})")
@@ -100,13 +104,27 @@ def bias_arg(text: str) -> tuple[int, float]:
 
 def speculative_settings(args) -> dict:
     """The speculative-only fields the flags give, the others at SamplingParams' defaults.
-    Raises ValueError naming the first such flag given without --speculative (it would be
-    ignored)."""
+
+    Raises:
+      ValueError: naming the first such flag given without --speculative, or a draft model
+        flag (--draft-run-dir, --draft-hf-checkpoint: `inference.draft_engine.add_draft_args`,
+        where the command has them) without --speculative draft (either would be ignored),
+        or --speculative draft without a draft model flag.
+    """
     given = {f: getattr(args, f) for f in SPECULATIVE_ONLY if getattr(args, f) is not None}
     if given and args.speculative is None:
         field, value = next(iter(given.items()))
         raise ValueError(f"{FIELD_FLAGS[field]} {value} applies only to speculative decoding; "
                          "add --speculative ngram, or leave it out")
+    drafts = {flag: getattr(args, name, None) for flag, name in DRAFT_FLAGS.items()}
+    given_drafts = {flag: value for flag, value in drafts.items() if value is not None}
+    if given_drafts and args.speculative != "draft":
+        flag, value = next(iter(given_drafts.items()))
+        raise ValueError(f"{flag} {value} applies only to --speculative draft; add "
+                         "--speculative draft, or leave it out")
+    if args.speculative == "draft" and not given_drafts:
+        raise ValueError("--speculative draft needs a draft model: add --draft-run-dir DIR or "
+                         "--draft-hf-checkpoint DIR (same tokenizer as the model)")
     return {f: given.get(f, getattr(SamplingParams, f)) for f in SPECULATIVE_ONLY}
 
 
