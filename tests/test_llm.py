@@ -225,7 +225,7 @@ def test_every_sampling_field_is_a_flag():
 
 
 def test_generate_json_and_streamed_text(llm, monkeypatch, capsys):
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize, draft: llm)
     other = PIECES.decode([17, 3])
     argv = ["--prompt", PROMPT, "--prompt", other, "--temperature", "0.9", "--seed", "3",
             "--max-new-tokens", "10", "--n", "2"]
@@ -248,7 +248,7 @@ def test_generate_json_says_what_repeats_each_sample(llm, monkeypatch, capsys):
     """Fault (a new user's trial): `generate --n 2 --json` printed the same seed for both
     samples and nothing else: a sample could not be repeated from its record. Each now has
     the seed, n and its sample_index, and those flags give its tokens again."""
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize, draft: llm)
     argv = ["--prompt", PROMPT, "--temperature", "1", "--max-new-tokens", "10", "--json"]
     cli.main(argv + ["--n", "2"])
     first = json.loads(capsys.readouterr().out)
@@ -260,7 +260,7 @@ def test_generate_json_says_what_repeats_each_sample(llm, monkeypatch, capsys):
 
 def test_default_max_new_tokens_fits_the_models_context_under_error(llm, config, monkeypatch,
                                                                     capsys):
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize, draft: llm)
     error = ["--context-overflow", "error"]
     cli.main(["--prompt", PROMPT, "--temperature", "0", "--json"] + error)  # 200 > 128 left
     (row,) = json.loads(capsys.readouterr().out)
@@ -300,7 +300,7 @@ def test_llm_crops_unless_a_request_says_otherwise(llm, monkeypatch):
 
 def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
     monkeypatch.setattr(cli.LLM, "from_checkpoint",
-                        lambda run_dir, dtype, quantize: pytest.fail("loaded"))
+                        lambda run_dir, dtype, quantize, draft: pytest.fail("loaded"))
     # in flags (a new user met SamplingParams' field names, which the CLI does not have)
     with pytest.raises(SystemExit, match=r"^gpt-jax generate: --top-p=1.5 is out of range; "
                                          r"allowed: \[0, 1\]$"):
@@ -318,7 +318,7 @@ def test_an_empty_prompt_is_refused_in_flags_before_loading(monkeypatch):
     """Fault: `--prompt ""` was refused with advice to pass generate's bos_token_id, which the
     CLI has no flag for."""
     monkeypatch.setattr(cli.LLM, "from_checkpoint",
-                        lambda run_dir, dtype, quantize: pytest.fail("loaded"))
+                        lambda run_dir, dtype, quantize, draft: pytest.fail("loaded"))
     for argv in (["--prompt", ""], ["--prompt", "To be", "--prompt", ""]):
         with pytest.raises(SystemExit) as exit_:
             cli.main(argv)
@@ -348,7 +348,7 @@ def test_an_eos_ending_keeps_the_eos_token_but_not_its_text(config, params, monk
     assert "".join(d.text for d in deltas) == out.text
     assert dataclasses.replace(deltas[-1].completion, seed=out.seed) == out  # unseeded: new seed
 
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize, draft: llm)
     cli.main(["--prompt", prompt, "--temperature", "0", "--max-new-tokens", "20",
               "--stop-token-id", str(greedy[4]), "--json"])
     (row,) = json.loads(capsys.readouterr().out)
@@ -356,7 +356,7 @@ def test_an_eos_ending_keeps_the_eos_token_but_not_its_text(config, params, monk
 
 
 def test_json_with_report_keeps_stdout_one_json_document(llm, monkeypatch, capsys):
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize, draft: llm)
     cli.main(["--prompt", PROMPT, "--max-new-tokens", "4", "--json", "--report"])
     out, err = capsys.readouterr()
     assert len(json.loads(out)) == 1 and "KV cache:" in err and "decode:" in err
@@ -370,7 +370,7 @@ def test_bad_logit_bias_and_min_tokens_flags_are_named(llm, monkeypatch, capsys)
         with pytest.raises(SystemExit):
             cli.parse_args(["--logit-bias", text])
         assert f"expected ID=BIAS such as 50256=-100, got {text!r}" in capsys.readouterr().err
-    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize: llm)
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize, draft: llm)
     with pytest.raises(SystemExit, match=r"--logit-bias id 64 is outside \[0, 64\)"):
         cli.main(["--prompt", PROMPT, "--logit-bias", "64=1"])
     with pytest.raises(SystemExit, match=r"--min-tokens=30 is more than --max-new-tokens=20"):

@@ -328,7 +328,7 @@ def test_quantize_flag_on_the_command_lines(monkeypatch):
     monkeypatch.setattr(cli.LLM, "from_checkpoint",
                         classmethod(lambda cls, run_dir, **kw: loaded.update(kw)))
     cli.load_llm(cli.parse_args(["--quantize", "int8"]))
-    assert loaded == {"dtype": "float32", "quantize": "int8"}
+    assert loaded == {"dtype": "float32", "quantize": "int8", "draft": None}
 
 
 def test_int8_weights_with_a_bfloat16_cache():
