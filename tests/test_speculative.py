@@ -216,20 +216,25 @@ def test_bad_settings_refused(field, value):
 
 # ------------------------------------------------------------------ the Engine
 
-def _mixed_requests(config, rng, count):
-    """Greedy speculative requests (k = 3 and 4: one program width; some with EOS ids and
-    stop sequences), greedy and sampled plain ones, of random lengths."""
+def _ngram_every_greedy_but_one_in_four(i):
+    return dict(speculative="ngram", num_speculative_tokens=3 + i % 2) if i % 4 else {}
+
+
+def _mixed_requests(config, rng, count, sampled_every=4,
+                    speculation=_ngram_every_greedy_but_one_in_four):
+    """Requests of random lengths: every `sampled_every`-th one sampled plain, the others
+    greedy (some with EOS ids and stop sequences) with `speculation(i)`'s fields (by
+    default n-gram, k = 3 and 4: one program width; or none)."""
     requests = []
     for i in range(count):
         prompt = rng.integers(0, config.vocab_size, int(rng.integers(2, 30))).tolist()
         sp = dict(max_new_tokens=int(rng.integers(1, 40)), seed=i)
-        if i % 4 == 3:
+        if i % sampled_every == sampled_every - 1:
             sp |= dict(temperature=0.9, top_k=20, frequency_penalty=0.3)
         else:
             sp |= dict(temperature=0.0, stop_token_ids=[int(rng.integers(0, 64))] * (i % 3 == 0),
                        stop_sequences=[[int(t) for t in rng.integers(0, 64, 1)]] * (i % 3 == 1))
-            if i % 4:
-                sp |= dict(speculative="ngram", num_speculative_tokens=3 + i % 2)
+            sp |= speculation(i)
         requests.append((f"r{i}", prompt, SamplingParams(**sp)))
     return requests
 

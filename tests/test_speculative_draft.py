@@ -18,7 +18,8 @@ from inference import SamplingParams, generate, speculative
 from inference import draft as draft_model
 from inference.spec_cost import verify_cost
 from tests.conftest import lively_params
-from tests.test_speculative import N_SAMPLES, PROMPT, SMALL, TRANSFORMS, _p_value
+from tests.test_speculative import (N_SAMPLES, PROMPT, SMALL, TRANSFORMS, _mixed_requests,
+                                    _p_value)
 
 GREEDY = dict(temperature=0.0)
 
@@ -182,25 +183,11 @@ def test_draft_checks(model):
 
 # ------------------------------------------------------------------ the Engine
 
-def _engine_requests(config, rng, count):
-    """Greedy requests drafting with the draft model (k = 3 and 4: one program width; some
-    with EOS ids and stop sequences), greedy n-gram ones, greedy and sampled plain ones, of
-    random lengths."""
-    requests = []
-    for i in range(count):
-        prompt = rng.integers(0, config.vocab_size, int(rng.integers(2, 30))).tolist()
-        sp = dict(max_new_tokens=int(rng.integers(1, 40)), seed=i)
-        if i % 5 == 4:
-            sp |= dict(temperature=0.9, top_k=20, frequency_penalty=0.3)
-        else:
-            sp |= dict(temperature=0.0, stop_token_ids=[int(rng.integers(0, 64))] * (i % 3 == 0),
-                       stop_sequences=[[int(t) for t in rng.integers(0, 64, 1)]] * (i % 3 == 1))
-            if i % 5 in (0, 1, 2):
-                sp |= dict(speculative="draft", num_speculative_tokens=3 + i % 2)
-            elif i % 10 == 3:
-                sp |= dict(speculative="ngram", num_speculative_tokens=3)
-        requests.append((f"r{i}", prompt, SamplingParams(**sp)))
-    return requests
+def _draft_or_ngram(i):
+    """Draft k = 3 and 4 (one program width) for 3 in 5 greedy requests, n-gram for some."""
+    if i % 5 in (0, 1, 2):
+        return dict(speculative="draft", num_speculative_tokens=3 + i % 2)
+    return dict(speculative="ngram", num_speculative_tokens=3) if i % 10 == 3 else {}
 
 
 def test_engine_mixed_requests_with_preemption_equal_speculation_off():
@@ -209,7 +196,7 @@ def test_engine_mixed_requests_with_preemption_equal_speculation_off():
     params = lively_params(config, scale=2.0)
     draft = (_perturbed(params, 0.1), config)
     rng = np.random.default_rng(0)
-    requests = _engine_requests(config, rng, 40)
+    requests = _mixed_requests(config, rng, 40, sampled_every=5, speculation=_draft_or_ngram)
     engine = Engine(params, config, max_slots=2, num_pages=20, page_size=4, draft=draft)
     pending, finals = list(requests), {}
     while pending or engine.has_unfinished_requests():
