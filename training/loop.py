@@ -176,9 +176,10 @@ class Loop:
         last fit (under load only the first fit may come before the run ends); as re-fits
         raise max_steps too, what it leaves unused on a steady machine is its share of the
         time after the last re-fit. Returns whether it changed: past the `first` fit, only
-        by more than `REFIT_SLACK` of the steps left and with an evaluation interval of
-        steps left (each fit compiles the step again; near the end `out_of_time` stops the
-        run instead)."""
+        by more than `REFIT_SLACK` of the steps left, and raised only with an evaluation
+        interval of steps left (each fit compiles the step again); lowered even in the last
+        interval, so that a run that slowed down there still ends its schedule (`out_of_time`
+        stopped one beside `make test` at step 4430 of 4687)."""
         cfg, now = self.cfg, time.perf_counter()
         recent = list(self.fit_times)[-cfg.eval_interval:]  # at most one interval's
         measured_s = float(np.median(recent) if first else np.mean(recent))
@@ -190,8 +191,8 @@ class Loop:
 
             steps = int(multihost_utils.broadcast_one_to_all(np.int64(steps)))
         if not first:
-            if steps - self.step < cfg.eval_interval:
-                return False  # too few steps left to pay for a recompile: the guard ends it
+            if steps > cfg.max_steps and steps - self.step < cfg.eval_interval:
+                return False  # too few steps left to pay for a recompile to raise it
             if self.resumed:
                 steps = min(steps, cfg.max_steps)
             if abs(steps - cfg.max_steps) <= REFIT_SLACK * (cfg.max_steps - self.step):
