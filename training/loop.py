@@ -240,7 +240,8 @@ class Loop:
         bar.set_postfix_str(self.postfix(), refresh=False)
         bar.update(n)
         due = self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps
-        out_of_time = self.out_of_time(due)
+        # at the schedule's end the run is over: no "stopped" line for its last call
+        out_of_time = self.step < cfg.max_steps and self.out_of_time(due)
         if due or out_of_time:
             self.checkpoint(state, bar)
             if on_eval:
