@@ -301,22 +301,8 @@ def test_a_run_that_slows_down_in_its_last_interval_is_lowered_to_end_its_schedu
     virtual clock, steps take 5 ms until the first fit at step 50, then 8 ms: the evaluation
     at step 100, fewer than an interval before the fitted end, lowers max_steps and the run
     ends with it."""
-    clock = virtual_clock(monkeypatch)
-    done = [0]
-    make_train_steps = T.make_train_steps
-
-    def slowing(*args, **kwargs):
-        steps = make_train_steps(*args, **kwargs)
-
-        def slow_steps(state, x, y, n):
-            for _ in range(int(n)):
-                done[0] += 1
-                clock[0] += 0.005 if done[0] <= L.FIT_STEPS else 0.008
-            return steps(state, x, y, n)
-
-        return slow_steps
-
-    monkeypatch.setattr(T, "make_train_steps", slowing)
+    clock, schedules = virtual_clock(monkeypatch), []
+    steps_taking(monkeypatch, clock, lambda k: 0.005 if k < L.FIT_STEPS else 0.008, schedules)
     cfg = TrainConfig.preset("tiny", text=str(corpus), run_dir=str(tmp_path / "run"),
                              max_steps=100_000, warmup_steps=L.FIT_STEPS, eval_interval=50,
                              time_budget_s=1.0)
@@ -326,7 +312,7 @@ def test_a_run_that_slows_down_in_its_last_interval_is_lowered_to_end_its_schedu
     assert [at for *_, at in fits] == [L.FIT_STEPS, 100], fits
     first_to, last_to = fits[0][1], fits[-1][1]
     assert last_to - 100 < cfg.eval_interval and last_to < first_to, fits
-    assert summary["steps"] == summary["max_steps"] == last_to, summary
+    assert summary["steps"] == summary["max_steps"] == last_to == schedules[-1], summary
     assert clock[0] <= cfg.time_budget_s
 
 
