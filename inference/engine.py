@@ -38,8 +38,8 @@ from inference.generation import generate_program
 from inference.mixed import blocks, engine_mixed, mixed_batch
 from inference.sampling import prompt_hash
 from inference.sampling_params import SamplingParams
-from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
-from inference.spec_engine import SpecSlots, engine_speculate
+from inference.scheduler import PrefillWork, Scheduler, Sequence, Status
+from inference.spec_engine import SpecSlots, engine_speculate, speculate
 from inference.speculative import width_of
 from inference.steps import PAGE_SIZE, decode_step, prefill
 from inference.validation import check_request
@@ -409,27 +409,15 @@ class Engine:
 
     def _decode(self, running: list[Sequence]) -> None:
         """One chunk of decode steps over the running slots, gathered compactly (a
-        speculative chunk: over the first slots, every running one among them)."""
+        speculative chunk, `spec_engine.speculate`: over the first slots, every running one
+        among them)."""
         live = np.zeros(self.max_slots, bool)
         live[[q.slot for q in running]] = True
         n_rows = decode_rows(len(running), self.max_slots)
         rows, stops = self._row_arrays()
         window_slots = self._window_slots(running, n_rows)
-        width = width_of([q.sampling for q in running])
-        if width and not window_slots.shape[0]:  # speculative rows, none near a "crop"
-            width = bucket(width)  # few programs
-            arrays = self._spec_arrays()
-            args = (self._page_table(), jnp.asarray(live), rows, stops, arrays)
-            static = dict(n_rows=decode_rows(max(q.slot for q in running) + 1, self.max_slots),
-                          width=width, pad_id=0)
-            if arrays.use_draft is None:
-                self.state, self.spec.state = engine_speculate(
-                    self.params, self.config, self.state, self.spec.state, *args, **static)
-            else:
-                d = self.draft
-                self.state, self.spec.state, d.state = engine_draft_speculate(
-                    self.params, self.config, d.params, d.config, self.state, self.spec.state,
-                    d.state, *args, **static)
+        if width_of([q.sampling for q in running]) and not window_slots.shape[0]:
+            speculate(self, running, jnp.asarray(live), rows, stops)  # none near a "crop"
             return
         self.state = (self.decode_program or engine_decode)(
             self.params, self.config, self.state, self._page_table(), jnp.asarray(live), rows,
