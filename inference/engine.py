@@ -33,16 +33,15 @@ from inference.constraints import automaton
 from inference.decode import CHUNK, empty_state, widen_recent
 from inference.detokenize import RequestOutput, request_output, sequence_text
 from inference.draft_engine import EngineDraft, draft_prefill, engine_draft_speculate
-from inference.errors import RequestError
 from inference.generation import generate_program
 from inference.mixed import blocks, engine_mixed, mixed_batch
 from inference.sampling import prompt_hash
 from inference.sampling_params import SamplingParams
-from inference.scheduler import PrefillWork, Scheduler, Sequence, Status, bucket
-from inference.spec_engine import SpecSlots, engine_speculate
+from inference.scheduler import PrefillWork, Scheduler, Sequence, Status
+from inference.spec_engine import SpecSlots, engine_speculate, speculate
 from inference.speculative import width_of
 from inference.steps import PAGE_SIZE, decode_step, prefill
-from inference.validation import check_request
+from inference.validation import check_engine_request
 
 FINISHED_IDS = 100_000  # finished request ids an Engine remembers (abort of one: no error)
 
@@ -237,48 +236,10 @@ class Engine:
 
     def check_request(self, request_id: str, prompt, sampling: SamplingParams | None):
         """Every check of one request, before anything is queued (the engine keeps serving
-        the others): the engine's own (the request id, text and stop strings need the
-        tokenizer, the prompt's type), then `inference.validation.check_request` (the model's
-        vocabulary and context, the page pool). Returns `(prompt, sampling)`: the prompt as
-        a list of token ids (text encoded; a "crop" prompt cropped to max_seq_len) and the
-        sampling parameters (default ones for None). Raises RequestError naming the request,
-        or TypeError for sampling that is not SamplingParams."""
-        if not isinstance(request_id, str):
-            raise RequestError("request_id", request_id, "strings", code="invalid_type",
-                               owner="", problem="{field}={value!r} is not a str")
-        if request_id in self.scheduler.requests:
-            raise RequestError("request_id", request_id, "an id not in the engine", owner="",
-                               problem="{field} {value!r} is already in the engine")
-        sampling = SamplingParams() if sampling is None else sampling
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
-        needs = "a tokenizer: pass one to the Engine"
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("prompt", prompt, "token ids", owner="", request=request_id,
-                                   problem="{request}: a text prompt needs " + needs)
-            prompt = self.tokenizer.encode(prompt)
-        if isinstance(prompt, np.ndarray):
-            prompt = prompt.tolist()
-        if sampling.stop and self.tokenizer is None:
-            raise RequestError("stop", sampling.stop, "no stop strings without a tokenizer",
-                               owner="", request=request_id,
-                               problem="{request}: stop strings need " + needs)
-        listed = isinstance(prompt, (list, tuple))
-        if not listed or (not prompt and sampling.max_new_tokens > 0):
-            raise RequestError("prompt", prompt, "a non-empty list of token ids (or text, "
-                               "with a tokenizer)", code="invalid_value" if listed
-                               else "invalid_type", owner="", request=request_id,
-                               lead="; a prompt is ",
-                               problem="{request}: the prompt is {value!r:.40}")
-        if sampling.speculative == "draft" and self.draft is None:
-            raise RequestError("speculative", "draft", "'ngram' or None without a draft model",
-                               owner="", request=request_id, problem="{request}: "
-                               "speculative='draft' needs a draft model: Engine(..., draft=...)")
-        prompt = check_request(self.config, prompt, sampling, request=request_id,
-                               page_size=self.page_size, num_pages=self.num_pages,
-                               tokenizer=self.tokenizer)
-        return prompt, sampling
+        the others): `inference.validation.check_engine_request`. Returns `(prompt,
+        sampling)`. Raises RequestError naming the request, or TypeError for sampling that
+        is not SamplingParams."""
+        return check_engine_request(self, request_id, prompt, sampling)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages and slot; `step()` returns nothing more for
@@ -409,27 +370,15 @@ class Engine:
 
     def _decode(self, running: list[Sequence]) -> None:
         """One chunk of decode steps over the running slots, gathered compactly (a
-        speculative chunk: over the first slots, every running one among them)."""
+        speculative chunk, `spec_engine.speculate`: over the first slots, every running one
+        among them)."""
         live = np.zeros(self.max_slots, bool)
         live[[q.slot for q in running]] = True
         n_rows = decode_rows(len(running), self.max_slots)
         rows, stops = self._row_arrays()
         window_slots = self._window_slots(running, n_rows)
-        width = width_of([q.sampling for q in running])
-        if width and not window_slots.shape[0]:  # speculative rows, none near a "crop"
-            width = bucket(width)  # few programs
-            arrays = self._spec_arrays()
-            args = (self._page_table(), jnp.asarray(live), rows, stops, arrays)
-            static = dict(n_rows=decode_rows(max(q.slot for q in running) + 1, self.max_slots),
-                          width=width, pad_id=0)
-            if arrays.use_draft is None:
-                self.state, self.spec.state = engine_speculate(
-                    self.params, self.config, self.state, self.spec.state, *args, **static)
-            else:
-                d = self.draft
-                self.state, self.spec.state, d.state = engine_draft_speculate(
-                    self.params, self.config, d.params, d.config, self.state, self.spec.state,
-                    d.state, *args, **static)
+        if width_of([q.sampling for q in running]) and not window_slots.shape[0]:
+            speculate(self, running, jnp.asarray(live), rows, stops)  # none near a "crop"
             return
         self.state = (self.decode_program or engine_decode)(
             self.params, self.config, self.state, self._page_table(), jnp.asarray(live), rows,

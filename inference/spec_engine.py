@@ -1,6 +1,7 @@
 """Speculative decoding in `Engine`: the chunk program (`engine_speculate`, CHUNK speculative
-steps of `inference.speculative` for the first `decode_rows` slots) and `SpecSlots`, the
-host's per-slot settings, adaptive state and counters.
+steps of `inference.speculative` for the first `decode_rows` slots), the Engine's call of it
+or of the draft model's (`speculate`), and `SpecSlots`, the host's per-slot settings,
+adaptive state and counters.
 
 A row's drafts come from its window of last tokens (`DecodeState.window`, which the Engine
 keeps for every row) and its draft length from its adaptive state; neither reads another
@@ -21,11 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inference.batching import _first_rows, _put_first_rows
+from inference.batching import _first_rows, _put_first_rows, decode_rows
 from inference.spec_cost import row_costs
 from inference.decode import DecodeState
+from inference.draft_engine import engine_draft_speculate
+from inference.scheduler import bucket
 from inference.speculative import (NO_RATE, PAUSE_START, SpecArrays, SpecState,
-                                   speculative_chunk)
+                                   speculative_chunk, width_of)
 from inference.verify import verifier
 
 
@@ -50,6 +53,27 @@ def engine_speculate(params, config, state: DecodeState, spec: SpecState, page_t
                                       width=width, limit=limit_B, pad_id=pad_id)
     put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis=0)  # noqa: E731
     return _put_first_rows(state, sub), jax.tree.map(put, spec, sub_spec)
+
+
+def speculate(engine, running: list, live_B, rows, stops) -> None:
+    """One speculative chunk of `engine` (an `inference.Engine`) over its first slots, every
+    `running` sequence among them (`live_B`, bool `[max_slots]`), with the slots' sampling
+    and stop arrays `rows`, `stops`: `engine_speculate`, or where a row drafts with the
+    draft model `draft_engine.engine_draft_speculate`. Replaces the engine's decode state,
+    its `SpecSlots` state and its draft's state."""
+    width = bucket(width_of([q.sampling for q in running]))  # few programs
+    arrays = engine._spec_arrays()
+    args = (engine._page_table(), live_B, rows, stops, arrays)
+    static = dict(n_rows=decode_rows(max(q.slot for q in running) + 1, engine.max_slots),
+                  width=width, pad_id=0)
+    if arrays.use_draft is None:
+        engine.state, engine.spec.state = engine_speculate(
+            engine.params, engine.config, engine.state, engine.spec.state, *args, **static)
+    else:
+        d = engine.draft
+        engine.state, engine.spec.state, d.state = engine_draft_speculate(
+            engine.params, engine.config, d.params, d.config, engine.state, engine.spec.state,
+            d.state, *args, **static)
 
 
 @jax.jit

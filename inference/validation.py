@@ -1,7 +1,8 @@
 """One request checked against the model, before any work starts: the validation boundary
 above `SamplingParams` (which checks each field alone, `inference.sampling_params`).
 
-`generate` (through `inference.generation.validate`), `Engine.add_request` and the server
+`generate` (through `inference.generation.validate`), `Engine.add_request` (through
+`check_engine_request`, which first checks what the engine itself needs) and the server
 each call `check_request`. A failure is a `RequestError` carrying the field, the value, what
 is allowed, an OpenAI-style code (`context_length_exceeded` for a request past the model's
 context) and which request it was (`request`: a prompt's index or a request id), with the
@@ -11,6 +12,8 @@ context) and which request it was (`request`: a prompt's index or a request id),
 from __future__ import annotations
 
 import numbers
+
+import numpy as np
 
 from gpt_jax.cache import pages_for
 from gpt_jax.config import GPTConfig
@@ -69,6 +72,53 @@ def check_request(config: GPTConfig, prompt, sampling: SamplingParams, *,
     if num_pages is not None:
         _fit_pool(config, len(prompt), sampling, request, page_size, num_pages)
     return prompt
+
+
+def check_engine_request(engine, request_id: str, prompt, sampling: SamplingParams | None):
+    """Every check of one request to `engine` (an `inference.Engine`, `Engine.check_request`),
+    before anything is queued (the engine keeps serving the others): the engine's own (the
+    request id, text and stop strings need the tokenizer, the prompt's type, a draft model
+    for speculative="draft"), then `check_request` (the model's vocabulary and context, the
+    page pool). Returns `(prompt, sampling)`: the prompt as a list of token ids (text
+    encoded; a "crop" prompt cropped to max_seq_len) and the sampling parameters (default
+    ones for None). Raises RequestError naming the request, or TypeError for sampling that
+    is not SamplingParams."""
+    if not isinstance(request_id, str):
+        raise RequestError("request_id", request_id, "strings", code="invalid_type",
+                           owner="", problem="{field}={value!r} is not a str")
+    if request_id in engine.scheduler.requests:
+        raise RequestError("request_id", request_id, "an id not in the engine", owner="",
+                           problem="{field} {value!r} is already in the engine")
+    sampling = SamplingParams() if sampling is None else sampling
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+    needs = "a tokenizer: pass one to the Engine"
+    if isinstance(prompt, str):
+        if engine.tokenizer is None:
+            raise RequestError("prompt", prompt, "token ids", owner="", request=request_id,
+                               problem="{request}: a text prompt needs " + needs)
+        prompt = engine.tokenizer.encode(prompt)
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if sampling.stop and engine.tokenizer is None:
+        raise RequestError("stop", sampling.stop, "no stop strings without a tokenizer",
+                           owner="", request=request_id,
+                           problem="{request}: stop strings need " + needs)
+    listed = isinstance(prompt, (list, tuple))
+    if not listed or (not prompt and sampling.max_new_tokens > 0):
+        raise RequestError("prompt", prompt, "a non-empty list of token ids (or text, "
+                           "with a tokenizer)", code="invalid_value" if listed
+                           else "invalid_type", owner="", request=request_id,
+                           lead="; a prompt is ",
+                           problem="{request}: the prompt is {value!r:.40}")
+    if sampling.speculative == "draft" and engine.draft is None:
+        raise RequestError("speculative", "draft", "'ngram' or None without a draft model",
+                           owner="", request=request_id, problem="{request}: "
+                           "speculative='draft' needs a draft model: Engine(..., draft=...)")
+    prompt = check_request(engine.config, prompt, sampling, request=request_id,
+                           page_size=engine.page_size, num_pages=engine.num_pages,
+                           tokenizer=engine.tokenizer)
+    return prompt, sampling
 
 
 def _token_ids(prompt, sampling: SamplingParams, request, bos_token_id) -> list[int]:
