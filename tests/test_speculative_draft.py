@@ -247,7 +247,7 @@ def test_server_and_llm_with_a_draft_return_the_tokens_of_speculation_off(model)
     speculative="draft" (some with a stop string landing inside the text), and the same
     through `LLM(..., draft=...)`: the same text and finish reason; drafts were accepted."""
     import openai
-    from serving import KEY, TOKENIZER, metric, running, wait_ready
+    from live_server import KEY, TOKENIZER, metric, running, wait_ready
 
     from inference import LLM, Engine
     from inference.server import ServerConfig
@@ -280,7 +280,7 @@ def test_server_and_llm_with_a_draft_return_the_tokens_of_speculation_off(model)
 
 
 def test_serve_draft_flags_load_and_check_the_tokenizer(model, tmp_path):
-    from serving import TOKENIZER, save_run
+    from live_server import TOKENIZER, save_run
 
     from gpt_jax import checkpoint
     from gpt_jax.tokenizer import CharTokenizer
