@@ -53,7 +53,6 @@ def jax_runner(batches, threads, model):
     steps = make_train_steps(config, optimizer, shardings=shardings)  # called one step a call
 
     def run(n):
-        loss = None
         for i in range(n):  # each batch placed on the mesh per step, as the training loop does
             x, y = (sharding.put_batch(a[None, None], mesh, 2) for a in batches[i % len(batches)])
             held["state"], losses = steps(held["state"], x, y, np.int32(1))

@@ -25,7 +25,7 @@ token to the draft model each step (one draft decode step, not k), so that its d
 stays in step with its output. Rows drafting with n-grams and rows not speculating share
 the chunk: the draft's forward runs over every row of the batch, and stores only drafting
 rows' keys and values. A batch without a drafting row runs no draft model at all
-(`generation.run`, `Engine._decode` pick the n-gram programs).
+(`generation.run`, `spec_engine.speculate` pick the n-gram programs).
 
 Shapes: the letters of `gpt_jax.model`, K the drafts per step (the batch's widest k).
 """

@@ -263,7 +263,7 @@ def chat_llm(bpe):
 def chat_url(chat_llm):
     from inference import Engine
     from inference.server import ServerConfig
-    from serving import running, wait_ready
+    from live_server import running, wait_ready
 
     cfg = ServerConfig("chat", chat_template=ChatTemplate(CHATML))
     engine = lambda: Engine(chat_llm.params, chat_llm.config, chat_llm.tokenizer,  # noqa: E731
@@ -392,7 +392,7 @@ def test_a_template_that_refuses_the_conversation_is_a_400_with_its_message(chat
 
     from inference import Engine
     from inference.server import ServerConfig
-    from serving import running, wait_ready
+    from live_server import running, wait_ready
 
     engines = [lambda: Engine(chat_llm.params, chat_llm.config, chat_llm.tokenizer,
                               max_slots=SLOTS)]
@@ -440,7 +440,7 @@ def test_32_concurrent_two_turn_chat_streams_equal_their_solo_results_and_hit_th
 
     from inference import Engine
     from inference.server import ServerConfig
-    from serving import metric, running, wait_ready
+    from live_server import metric, running, wait_ready
 
     rng = np.random.default_rng(1)
     words = CORPUS.split()
@@ -490,7 +490,7 @@ def test_a_conversation_a_char_tokenizer_cannot_encode_is_a_400(config, params):
 
     from inference import Engine
     from inference.server import ServerConfig
-    from serving import TOKENIZER, running, wait_ready
+    from live_server import TOKENIZER, running, wait_ready
 
     cfg = ServerConfig("chars", chat_template=ChatTemplate("{{ messages[-1].content }}"))
     with running(lambda: Engine(params, config, TOKENIZER, max_slots=2), cfg) as base:

@@ -97,7 +97,7 @@ def served(llama_dir, llm):
     compiled programs of `llm`'s engine; yields its base URL."""
     from inference.serve import _chat_template, _engine, parse_args
     from inference.server import ServerConfig
-    from serving import running, wait_ready
+    from live_server import running, wait_ready
 
     args = parse_args(["--hf-checkpoint", str(llama_dir), "--max-slots", str(SLOTS)])
     engine, eos = _engine(args, llama_dir)

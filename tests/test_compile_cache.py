@@ -16,7 +16,7 @@ import pytest
 
 from conftest import free_port
 from inference import compile_cache
-from serving import save_run
+from live_server import save_run
 
 LOADED = re.compile(r"(\d+) programs loaded from cache, (\d+) compiled in")
 

@@ -11,7 +11,7 @@ from gpt_jax import GPTConfig, checkpoint
 from gpt_jax.tokenizer import CharTokenizer
 from inference import chat_cli, cli
 from tests.conftest import lively_params
-from tests.serving import save_run
+from tests.live_server import save_run
 from tests.test_speculative_draft import _perturbed
 
 GREEDY = ["--temperature", "0", "--max-new-tokens", "24", "--no-compile-cache"]

@@ -166,7 +166,6 @@ def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
     `LLM.from_pretrained(DIR).generate` gives; a seeded n=2 sampled one, asked with the
     official openai client, has the tokens of `LLM` and of `inference.generate` for the same
     seed (the model: GQA 2:1, untied)."""
-    import httpx2 as httpx
     import openai
 
     from conftest import free_port, start_serve
@@ -175,15 +174,7 @@ def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
     port = free_port()
     proc = start_serve(["--hf-checkpoint", str(path), "--max-slots", "2", "--no-warmup"], port)
     try:
-        body = {"model": path.name, "prompt": TEXTS[1], "max_tokens": NEW_TOKENS,
-                "temperature": 0}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        llm = LLM.from_pretrained(path)
-        (expected,) = llm.generate(
-            [TEXTS[1]], SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS),
-            progress=False)
-        assert r.json()["choices"][0]["text"] == expected.text
+        llm = assert_greedy_served(port, path, TEXTS[1])
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0, timeout=120)
         served = client.completions.create(model=path.name, prompt=TEXTS[0],
@@ -193,6 +184,22 @@ def test_serve_hf_checkpoint_answers_as_from_pretrained(hf_dir):
         proc.kill()
         proc.wait(timeout=30)
     _assert_seeded_pair_served(llm, served)
+
+
+def assert_greedy_served(port: int, path, text: str) -> LLM:
+    """The server on `port` (serving the Hugging Face directory `path`) completes `text`
+    greedily, NEW_TOKENS tokens, with the text `LLM.from_pretrained(path)` gives; returns
+    that LLM."""
+    import httpx2 as httpx
+
+    body = {"model": path.name, "prompt": text, "max_tokens": NEW_TOKENS, "temperature": 0}
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    llm = LLM.from_pretrained(path)
+    (expected,) = llm.generate(
+        [text], SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS), progress=False)
+    assert r.json()["choices"][0]["text"] == expected.text
+    return llm
 
 
 def _assert_seeded_pair_served(llm, served):

@@ -26,8 +26,8 @@ import pytest
 from conftest import free_port, taken_port
 from inference import Engine
 from inference.server import ServerConfig
-from serving import (KEY, SLOTS, TOKENIZER, client, llm, metric, running,  # noqa: F401
-                     save_run, solo, url, wait_ready)
+from live_server import (KEY, SLOTS, TOKENIZER, client, llm, metric, running,  # noqa: F401
+                         save_run, solo, url, wait_ready)
 
 
 # ---------------------------------------------------------------------- 1. completions

@@ -141,17 +141,24 @@ def test_sampled_distribution_equals_non_speculative_and_seed_reproduces(samples
     assert counts["drafted"] > N_SAMPLES / 2
 
 
-def test_chi_square_catches_a_wrong_residual_rule(samples, monkeypatch):
-    """Planted: after a refused draft, draw from p itself instead of max(0, p - q) (the
-    draft's own token stays possible): the test above must see the difference."""
-    params, off, _ = samples
+def planted_residual_p_value(monkeypatch, off, sample) -> float:
+    """`_p_value` of `off` against the tokens `sample()` draws with a planted fault: after a
+    refused draft, draw from p itself instead of max(0, p - q) (the draft's own token stays
+    possible). The chi-square tests of speculative sampling must see the difference."""
     monkeypatch.setattr(speculative, "residual_probs", lambda p_V, q_V: p_V)
     jax.clear_caches()  # the right rule's program is cached
     try:
-        planted = _first_tokens(params, True, seed=12)[0]
+        planted = sample()
     finally:
         jax.clear_caches()
-    assert _p_value(off, planted) < 1e-6
+    return _p_value(off, planted)
+
+
+def test_chi_square_catches_a_wrong_residual_rule(samples, monkeypatch):
+    """Planted (`planted_residual_p_value`): the test above must see the difference."""
+    params, off, _ = samples
+    sample = lambda: _first_tokens(params, True, seed=12)[0]  # noqa: E731
+    assert planted_residual_p_value(monkeypatch, off, sample) < 1e-6
 
 
 # ------------------------------------------------------------------ parts by hand
@@ -246,16 +253,30 @@ def test_engine_mixed_requests_with_preemption_equal_each_alone():
     rng = np.random.default_rng(0)
     requests = _mixed_requests(config, rng, 40)
     engine = Engine(params, config, max_slots=2, num_pages=20, page_size=4)
-    pending, finals = list(requests), {}
-    while pending or engine.has_unfinished_requests():
-        while pending and rng.random() < 0.4:
-            engine.add_request(*pending.pop(0))
-        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    finals = run_arriving(engine, requests, rng)
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["free_pages"] == stats["total_pages"]
     assert 0.2 < stats["spec_acceptance_rate"] <= 1 and stats["spec_tokens_per_verification"] > 1.5
     # rows of one generate call are independent: each is its request alone
     alone = generate(params, config, [p for _, p, _ in requests], [s for *_, s in requests])
+    assert_each_alone(finals, requests, alone)
+
+
+def run_arriving(engine, requests, rng) -> dict:
+    """Run `requests` (`_mixed_requests`) on `engine`, added in order at random steps
+    (before each step, the next one with probability 0.4, again while it comes up), until
+    all finish. Returns each request's final RequestOutput by request id."""
+    pending, finals = list(requests), {}
+    while pending or engine.has_unfinished_requests():
+        while pending and rng.random() < 0.4:
+            engine.add_request(*pending.pop(0))
+        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    return finals
+
+
+def assert_each_alone(finals, requests, alone) -> None:
+    """Each request's final output (`run_arriving`) has the tokens and finish reason of its
+    row of `alone` (one `generate` call's outputs, in the order of `requests`)."""
     for (request_id, _, _), ref in zip(requests, alone):
         assert finals[request_id].token_ids == ref.tokens, request_id
         assert finals[request_id].finish_reason == ref.finish_reason, request_id

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from gpt_jax import GPTConfig
-from inference import SamplingParams, generate, speculative
+from inference import SamplingParams, generate
 from inference import draft as draft_model
 from inference.spec_cost import verify_cost
 from tests.conftest import lively_params
 from tests.test_speculative import (N_SAMPLES, PROMPT, SMALL, TRANSFORMS, _mixed_requests,
-                                    _p_value)
+                                    _p_value, assert_each_alone, planted_residual_p_value,
+                                    run_arriving)
 
 GREEDY = dict(temperature=0.0)
 
@@ -148,15 +149,10 @@ def test_sampled_distribution_equals_non_speculative_and_seed_reproduces(samples
 
 
 def test_chi_square_catches_a_wrong_residual_rule(samples, monkeypatch):
-    """Planted: after a refused draft, draw from p itself instead of max(0, p - q)."""
+    """Planted (`planted_residual_p_value`): the test above must see the difference."""
     params, draft, off, _ = samples
-    monkeypatch.setattr(speculative, "residual_probs", lambda p_V, q_V: p_V)
-    jax.clear_caches()  # the right rule's program is cached
-    try:
-        planted = _first_tokens(params, draft, seed=12)[0]
-    finally:
-        jax.clear_caches()
-    assert _p_value(off, planted) < 1e-6
+    sample = lambda: _first_tokens(params, draft, seed=12)[0]  # noqa: E731
+    assert planted_residual_p_value(monkeypatch, off, sample) < 1e-6
 
 
 # ------------------------------------------------------------------ checks
@@ -198,11 +194,7 @@ def test_engine_mixed_requests_with_preemption_equal_speculation_off():
     rng = np.random.default_rng(0)
     requests = _mixed_requests(config, rng, 40, sampled_every=5, speculation=_draft_or_ngram)
     engine = Engine(params, config, max_slots=2, num_pages=20, page_size=4, draft=draft)
-    pending, finals = list(requests), {}
-    while pending or engine.has_unfinished_requests():
-        while pending and rng.random() < 0.4:
-            engine.add_request(*pending.pop(0))
-        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    finals = run_arriving(engine, requests, rng)
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["free_pages"] == stats["total_pages"]
     assert 0.2 < stats["spec_acceptance_rate"] < 1 and stats["spec_tokens_per_verification"] > 1.5
@@ -210,9 +202,7 @@ def test_engine_mixed_requests_with_preemption_equal_speculation_off():
     # speculation off (the speculative requests are greedy: the same tokens)
     alone = generate(params, config, [p for _, p, _ in requests],
                      [dataclasses.replace(s, speculative=None) for *_, s in requests])
-    for (request_id, _, _), ref in zip(requests, alone):
-        assert finals[request_id].token_ids == ref.tokens, request_id
-        assert finals[request_id].finish_reason == ref.finish_reason, request_id
+    assert_each_alone(finals, requests, alone)
 
 
 def test_engine_sampled_draft_requests_equal_generate_and_reproduce(model):
@@ -257,7 +247,7 @@ def test_server_and_llm_with_a_draft_return_the_tokens_of_speculation_off(model)
     speculative="draft" (some with a stop string landing inside the text), and the same
     through `LLM(..., draft=...)`: the same text and finish reason; drafts were accepted."""
     import openai
-    from serving import KEY, TOKENIZER, metric, running, wait_ready
+    from live_server import KEY, TOKENIZER, metric, running, wait_ready
 
     from inference import LLM, Engine
     from inference.server import ServerConfig
@@ -290,7 +280,7 @@ def test_server_and_llm_with_a_draft_return_the_tokens_of_speculation_off(model)
 
 
 def test_serve_draft_flags_load_and_check_the_tokenizer(model, tmp_path):
-    from serving import TOKENIZER, save_run
+    from live_server import TOKENIZER, save_run
 
     from gpt_jax import checkpoint
     from gpt_jax.tokenizer import CharTokenizer

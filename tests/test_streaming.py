@@ -7,7 +7,7 @@ import re
 
 import httpx2 as httpx
 
-from serving import KEY, client, llm, solo, url  # noqa: F401 (fixtures)
+from live_server import KEY, client, llm, solo, url  # noqa: F401 (fixtures)
 
 
 def joined(stream) -> dict[int, dict]:

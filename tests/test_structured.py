@@ -20,7 +20,7 @@ from inference.constraints import automaton
 from inference.errors import RequestError
 from inference.generation import generate
 from inference.server import ServerConfig
-from serving import KEY, running, wait_ready  # at collection: before benchmarks/ is on the path
+from live_server import KEY, running, wait_ready
 from training.data import shakespeare_text
 
 JSON_CHARS = '{}[]"0123456789_@#'  # what JSON needs beyond Shakespeare's characters

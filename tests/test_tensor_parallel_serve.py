@@ -13,23 +13,14 @@ def test_serve_tensor_parallel_answers_as_one_device_and_reports_its_mesh(hf_dir
     from prometheus_client.utils import floatToGoString
 
     from conftest import free_port, start_serve
-    from inference import LLM, SamplingParams
-    from test_hf_dirs import NEW_TOKENS, TEXTS
+    from test_hf_dirs import TEXTS, assert_greedy_served
 
     path, _ = hf_dir
     port = free_port()
     proc = start_serve(["--hf-checkpoint", str(path), "--max-slots", "2", "--no-warmup",
                         "--tensor-parallel", "2"], port)
     try:
-        body = {"model": path.name, "prompt": TEXTS[0], "max_tokens": NEW_TOKENS,
-                "temperature": 0}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        llm = LLM.from_pretrained(path)
-        (expected,) = llm.generate([TEXTS[0]], SamplingParams(temperature=0.0,
-                                                              max_new_tokens=NEW_TOKENS),
-                                   progress=False)
-        assert r.json()["choices"][0]["text"] == expected.text
+        llm = assert_greedy_served(port, path, TEXTS[0])
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         one = llm.engine(2).stats()["mesh"]["kv_cache_bytes_per_device"]
         for line in ('gpt_jax:mesh_axis_size{axis="model"} 2.0', "gpt_jax:mesh_devices 2.0",

@@ -2,7 +2,7 @@
 model with a 64-character tokenizer, the official `openai` client on it, and the reference
 each completion is checked against (`LLM.generate` of the request alone).
 
-The fixtures are imported by the test modules that use them (`from serving import url`)."""
+The fixtures are imported by the test modules that use them (`from live_server import url`)."""
 
 import contextlib
 import re
