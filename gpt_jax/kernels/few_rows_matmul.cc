@@ -84,27 +84,41 @@ inline float lane_sum(fvec v) {
 #endif
 }
 
-// Channels per tile for R rows: up to four (independent multiply-add chains for one row),
+// Channels per tile for R rows, and copies of the accumulators over consecutive inputs.
+// One row reads one channel at a time with four copies (independent multiply-add chains):
+// its weights stream from memory as ONE sequential run, which read at about twice the rate
+// of four or eight channel rows read side by side (benchmarks/README.md, "The decode step
+// on both cores"). Several rows (weights in cache) take up to four channels per tile,
 // within the accumulator budget.
-constexpr int channels(int R) { return std::max(1, std::min(4, kAccumulators / R)); }
+constexpr int channels(int R) {
+  return R == 1 ? 1 : std::max(1, std::min(4, kAccumulators / R));
+}
+constexpr int copies(int R) { return R == 1 ? 4 : 1; }
 
-// Rows [0, R) of x (stride I) times channels [o, o + C) of w into y (stride O).
-template <int C, int R>
+// Rows [0, R) of x (stride I) times channels [o, o + C) of w into y (stride O), with U
+// copies of the accumulators over consecutive vectors of inputs.
+template <int C, int R, int U = 1>
 void tile(const float* x, const float* w, int64_t I, int64_t O, int64_t o, float* y) {
   const int64_t I_vec = I / kLanes * kLanes;
-  fvec acc[C][R] = {};
+  fvec acc[U][C][R] = {};
   const float* wc = w + o * I;
-  for (int64_t i = 0; i < I_vec; i += kLanes) {
+  auto step = [&](int64_t i, int u) {  // one vector of inputs into copy u
     fvec wv[C];
     for (int c = 0; c < C; ++c) wv[c] = load(wc + c * I + i);
     for (int r = 0; r < R; ++r) {
       const fvec xv = load(x + r * I + i);
-      for (int c = 0; c < C; ++c) acc[c][r] = fma(xv, wv[c], acc[c][r]);
+      for (int c = 0; c < C; ++c) acc[u][c][r] = fma(xv, wv[c], acc[u][c][r]);
     }
-  }
+  };
+  int64_t i = 0;
+  for (; i + kLanes * U <= I_vec; i += kLanes * U)
+    for (int u = 0; u < U; ++u) step(i + u * kLanes, u);
+  for (; i < I_vec; i += kLanes) step(i, 0);
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) {
-      float total = lane_sum(acc[c][r]);
+      fvec sum = acc[0][c][r];
+      for (int u = 1; u < U; ++u) sum += acc[u][c][r];
+      float total = lane_sum(sum);
       for (int64_t i = I_vec; i < I; ++i) total += x[r * I + i] * wc[c * I + i];
       y[r * O + o + c] = total;
     }
@@ -116,8 +130,8 @@ void rows_by_channels(const float* x, const float* w, int64_t I, int64_t O, int6
                       int64_t o1, float* y) {
   constexpr int C = channels(R);
   int64_t o = o0;
-  for (; o + C <= o1; o += C) tile<C, R>(x, w, I, O, o, y);
-  for (; o < o1; ++o) tile<1, R>(x, w, I, O, o, y);
+  for (; o + C <= o1; o += C) tile<C, R, copies(R)>(x, w, I, O, o, y);
+  for (; o < o1; ++o) tile<1, R, copies(R)>(x, w, I, O, o, y);
 }
 
 // `rows_by_channels` for n (1..kMaxRows) rows, chosen at run time.
