@@ -8,9 +8,10 @@
 // Each weight row (an output channel's I weights, contiguous in [O, I]) is read once for all
 // M rows of x: a tile of C channels by R rows keeps C * R vector accumulators (kLanes floats
 // each, summed in float32), multiplied into from C weight vectors loaded once per step, and
-// reduces each to its output at the end. A task is a run of consecutive channels of one
-// weight, i.e. one contiguous block of w of at least kChunkBytes, streamed in order (the
-// hardware prefetcher follows it; software prefetch ahead in each channel's row was slower).
+// reduces each to its output at the end; one row takes one channel at a time (`channels`).
+// A task is a run of consecutive channels of one weight, i.e. one contiguous block of w of at
+// least kChunkBytes, streamed in order (the hardware prefetcher follows it; software prefetch
+// ahead in each channel's row was slower).
 // The tasks of a call are spread over XLA's intra-op thread pool and the calling thread
 // (`parallel_for`): a weight read from memory is read by every core, where XLA:CPU emits a
 // one-row product inline on the calling thread only. A call whose weights are at most
