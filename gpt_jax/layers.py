@@ -172,10 +172,12 @@ class OutputMajor(Weight):
 
     With many rows (a prefill of `MANY_ROWS` tokens or more per sequence) `matmul` computes
     `x @ w_OI^T` instead: there that orientation is as fast or faster, and its output needs
-    no transpose. In a verification of a few positions (`inference.verify`) a CPU kernel
-    computes it (`gpt_jax.kernels.few_rows_matmul`). A plain embedding table `[V, D]` is one
-    too (`as_weight` with `in_axes=-1`): `rows` is the lookup, `matmul` the tied output
-    projection.
+    no transpose. With few rows in all (a decode step, `inference.steps.run_decode`, or a
+    verification of a few positions, `inference.verify`: up to 8 rows per call) a CPU kernel
+    computes it on every core (`gpt_jax.kernels.few_rows_matmul`, which says where and
+    why), several weights of one input in one call (`linears`). A plain embedding table
+    `[V, D]` is one too (`as_weight` with `in_axes=-1`): `rows` is the lookup, `matmul` the
+    tied output projection (through the kernel too in a decode step).
     """
 
     w_OI: jax.Array
@@ -184,11 +186,28 @@ class OutputMajor(Weight):
     def matmul(self, x_MI: jax.Array, preferred_element_type=None) -> jax.Array:
         """`x @ w^T`, `[M, O]`, in the inputs' dtype or `preferred_element_type`."""
         if preferred_element_type in (None, jnp.float32) and few_rows_kernel.use_kernel(
-                x_MI, self.w_OI):
-            return kernels.dispatch(True, few_rows_kernel.few_rows_matmul,
-                                    lambda x_MI, w_OI: OutputMajor(w_OI).matmul_xla(x_MI),
-                                    x_MI, self.w_OI)
+                x_MI, [self.w_OI]):
+            return self.linears(x_MI, [self], [None], concatenate=False)[0]
         return self.matmul_xla(x_MI, preferred_element_type)
+
+    @classmethod
+    def linears(cls, x_MI, ws, bs_O, concatenate):
+        """`Weight.linears`; where the few-rows kernel takes the products
+        (`few_rows_kernel.use_kernel`: a decode step's or a verification's few rows), one
+        kernel call for all the weights, whose threads share their channels (no copy of the
+        weights); otherwise as `Weight.linears` runs them."""
+        ws_OI = [w.w_OI for w in ws]
+        if concatenate or not few_rows_kernel.use_kernel(x_MI, ws_OI):
+            return super().linears(x_MI, ws, bs_O, concatenate)
+
+        def kernel(x_MI, *ws_OI):
+            return few_rows_kernel.few_rows_matmuls(x_MI, list(ws_OI))
+
+        def xla(x_MI, *ws_OI):
+            return [OutputMajor(w_OI).matmul_xla(x_MI) for w_OI in ws_OI]
+
+        outs = kernels.dispatch(True, kernel, xla, x_MI, *ws_OI)
+        return [add_bias(out_MO, b_O) for out_MO, b_O in zip(outs, bs_O)]
 
     def matmul_xla(self, x_MI: jax.Array, preferred_element_type=None) -> jax.Array:
         """`matmul` as XLA computes it."""

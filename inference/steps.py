@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from gpt_jax import cache as kv
 from gpt_jax.cache import CACHE_ROW_AXES, PagedKVCache
 from gpt_jax.config import GPTConfig
+from gpt_jax.kernels import few_rows_matmul as few_rows_kernel
 from gpt_jax.model import forward_last, lm_head
 from gpt_jax.params import Params, decode_layout
 from gpt_jax.tensor_parallel import constrain_cache, transformer
@@ -84,7 +85,8 @@ def run_prefill(params, config, tokens_BT, lengths_B, cache, slots=None, padding
 
 def run_decode(params, config, tokens_B, cache, advance_B):
     row = functools.partial(_decode_row, config=config)
-    return run_rows(row, params, cache, tokens_B, advance_B.astype(jnp.int32))
+    with few_rows_kernel.rows_per_call(tokens_B.shape[0]):  # few rows: the CPU kernel
+        return run_rows(row, params, cache, tokens_B, advance_B.astype(jnp.int32))
 
 
 def window_logits(params, config, window_BW, past_B, logits_BV, slots_R=None):

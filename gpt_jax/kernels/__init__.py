@@ -3,7 +3,7 @@
   paged_attention   decode attention over a paged KV cache (`paged_attention.cc`)
   causal_attention  the training path's causal attention, forward and backward
   int8_matmul       weight-only int8 matmul (`gpt_jax.layers.Int8Weight`)
-  few_rows_matmul   float32 products of a few rows (a speculative verification)
+  few_rows_matmul   float32 products of a few rows (a batch-1 decode step, a verification)
   builder           compile, cache and register them (`common.h` is their shared header)
 
 `gpt_jax.attention` and `gpt_jax.layers` call them through `dispatch` (the kernel on CPU,

@@ -1,17 +1,26 @@
-"""Float32 matmul of a few rows by an output-major weight as a CPU kernel
-(`few_rows_matmul.cc`, an XLA FFI custom call), used by `gpt_jax.layers.OutputMajor.matmul`
-on CPU for the products of a forward traced within `rows_per_call(B)` (verifying
-speculative drafts: `inference.verify`) when a call's rows, B sequences times the rows of
-each, are 2 to `MAX_ROWS` and the weight has at most `MAX_WEIGHT_FLOATS`.
+"""Float32 matmul of a few rows by output-major weights as a CPU kernel
+(`few_rows_matmul.cc`, an XLA FFI custom call), used by `gpt_jax.layers.OutputMajor` on CPU
+for the products of a forward traced within `rows_per_call(B)` (the decode step,
+`inference.steps.run_decode`, one row per sequence; the verification of speculative drafts,
+`inference.verify`, a few per sequence) where `use_kernel` says: a decode step at batch 1
+whose weights are read from memory, and a verification's 2 to `MAX_ROWS` rows in all over
+weights that stay in cache. Several weights that multiply the same input (a layer's q, k and
+v, or gate and up) go in one call (`few_rows_matmuls`), whose threads share the channels of
+all of them; the weights keep their `[O, I]` layout.
 
-Why: XLA:CPU (jax 0.10) emits a one-row product (a decode step's) inline, but hands a
-product of a few rows to XNNPACK on its thread pool; for a small model, whose weights stay
-in cache, that costs several times the inline product, so a verification of 5 positions
-cost 4-8 decode steps (benchmarks/README.md, "Speculative decoding"). The kernel reads each
-weight row once for up to 8 rows, on the calling thread. With more rows (a batch of
-sequences), or weights read from memory (the GPT-2 shape), XNNPACK's product on the thread
-pool was faster as measured (benchmarks/README.md, "Third pass: a few-rows kernel and a
-cost-aware off-switch"), so the kernel is not used there.
+Why: a product of so few rows is bound by reading its weights, or for weights in cache by
+its calls. XLA:CPU (jax 0.10) emits a one-row product (a decode step's at batch 1) inline on
+the calling thread, so a weight read from memory is read by one core of the machine: the
+kernel spreads the channels of such weights over XLA's intra-op thread pool and the calling
+thread, so every core reads weights (benchmarks/README.md, "Roofline"). XLA hands a product
+of 2 to 8 rows to XNNPACK on its thread pool, several times the cost of the inline one for a
+small model whose weights stay in cache (benchmarks/README.md, "Speculative decoding"): the
+kernel reads each weight row once for all the rows, on the calling thread (a call whose
+weights fit in cache). Where it is not used, XLA's product was as fast or faster as
+measured (benchmarks/README.md, "The decode step on both cores"): a one-row product of
+weights in cache (a small model's decode step), and 2 to 8 rows of weights read from memory
+(a decode step at batch 2 to 8, a verification of the GPT-2 shape), where XNNPACK already
+runs on the thread pool.
 
 Built, cached and registered by `gpt_jax.kernels.builder` on first use; if it cannot be
 built, a warning says why and XLA's product runs; `GPT_JAX_CPU_KERNEL=0` turns it off, and
@@ -36,7 +45,7 @@ from gpt_jax.kernels import builder
 SOURCE = Path(__file__).with_name("few_rows_matmul.cc")
 TARGET = "gpt_jax_few_rows_matmul"
 MAX_ROWS = 8  # rows of a call (sequences times rows per sequence) the kernel is used for
-MAX_WEIGHT_FLOATS = 1 << 17  # the largest weight it is used for (512 KB: stays in L2 cache)
+MAX_CACHED_FLOATS = 1 << 17  # weights this small (512 KB) stay in cache (see use_kernel)
 _SEQUENCES = contextvars.ContextVar("gpt_jax_few_rows_sequences", default=0)
 
 
@@ -60,24 +69,35 @@ def available() -> bool:
                             "CPU few-rows matmul kernel", "XLA's matmul")
 
 
-def use_kernel(x_MI: jax.Array, w_OI: jax.Array) -> bool:
-    """Whether a product of `x_MI` by `w_OI` traced now calls the kernel on CPU: within
-    `rows_per_call`, several float32 rows per sequence and at most MAX_ROWS in all, float32
-    weights of at most MAX_WEIGHT_FLOATS, the kernel `available()`, no
-    `gpt_jax.kernels.portable()` context."""
-    sequences = _SEQUENCES.get()
-    return (sequences > 0 and 1 < x_MI.shape[0] and x_MI.shape[0] * sequences <= MAX_ROWS
-            and w_OI.size <= MAX_WEIGHT_FLOATS and x_MI.dtype == jnp.float32
-            and w_OI.dtype == jnp.float32 and not kernels.in_portable() and available())
+def use_kernel(x_MI: jax.Array, ws_OI: list[jax.Array]) -> bool:
+    """Whether the products of `x_MI` by each of `ws_OI` traced now call the kernel on CPU
+    (as one call): within `rows_per_call`, float32 operands, the kernel `available()`, no
+    `gpt_jax.kernels.portable()` context, and either one row in all with more than
+    MAX_CACHED_FLOATS weights in all (read from memory: a decode step at batch 1), or 2 to
+    MAX_ROWS rows in all with each weight at most MAX_CACHED_FLOATS (in cache: a small
+    model's verification)."""
+    rows = _SEQUENCES.get() * x_MI.shape[0]
+    if rows == 1:
+        fits = sum(w.size for w in ws_OI) > MAX_CACHED_FLOATS
+    else:
+        fits = 1 < rows <= MAX_ROWS and all(w.size <= MAX_CACHED_FLOATS for w in ws_OI)
+    return (fits and x_MI.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws_OI)
+            and not kernels.in_portable() and available())
 
 
 def few_rows_matmul(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
     """`x @ w^T` on CPU: float32 `[M, I]` by float32 `[O, I]` -> float32 `[M, O]`, each output
-    summed in float32 (eight partial sums, then their total), so it equals XLA's product to
+    summed in float32 (vector partial sums, then their total), so it equals XLA's product to
     float rounding. Call only when `use_kernel`. Under `jax.vmap` `x` gains the batch axis,
     the shared weight a leading axis of 1 (`vmap_method="expand_dims"`: never copied per
     row), and one call runs every row of the batch."""
-    M, O = x_MI.shape[0], w_OI.shape[0]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32),
-                            vmap_method="expand_dims")
-    return call(x_MI, w_OI)
+    return few_rows_matmuls(x_MI, [w_OI])[0]
+
+
+def few_rows_matmuls(x_MI: jax.Array, ws_OI: list[jax.Array]) -> list[jax.Array]:
+    """`[few_rows_matmul(x_MI, w) for w in ws_OI]` in one kernel call, whose threads share
+    the channels of all the weights: `[M, O_k]` per weight."""
+    M = x_MI.shape[0]
+    shapes = tuple(jax.ShapeDtypeStruct((M, w.shape[0]), jnp.float32) for w in ws_OI)
+    call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="expand_dims")
+    return list(call(x_MI, *ws_OI))
