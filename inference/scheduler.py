@@ -21,9 +21,10 @@ from inference.sampling_params import SamplingParams  # plain Python: no JAX her
 
 MIN_PROMPT_BUCKET = 16  # the shortest padded prompt length of a prefill call
 
-# Prompt tokens of a mixed chunk per decode token it runs (`Scheduler.mixed_work`): on CPU
-# a step costs about in proportion to its tokens, so a mixed chunk of n decoding rows costs
-# about 1 + this share of a decode chunk (the stall bound; benchmarks/README.md, "Serving").
+# Prompt tokens of a mixed chunk per decode token it runs, with one prompt waiting
+# (`mixed_budget`): on CPU a step costs about in proportion to its tokens, so a mixed
+# chunk of n decoding rows beside one prompt costs about 1 + this share of a decode chunk
+# (the stall bound; benchmarks/README.md, "Serving").
 MIXED_PROMPT_SHARE = 0.25
 
 
@@ -338,18 +339,17 @@ class Scheduler:
 
     def mixed_work(self, n_decode: int) -> list[PrefillWork]:
         """Chunks of the prefilling sequences for a mixed chunk that also decodes `n_decode`
-        sequences `decode_chunk` tokens each, in admission order. The prompt budget: with
-        none decoding, `max_prefill_tokens`; else MIXED_PROMPT_SHARE of the chunk's decode
-        tokens (so the call costs at most about 1 + that share of a decode chunk on CPU,
-        where cost follows tokens), in whole blocks of MIN_PROMPT_BUCKET tokens, at least
-        one (prompts go in while any number decode), at most `max_prefill_tokens`. Each
-        sequence at most `prefill_chunk_tokens` per call, its chunk taking whole query
-        blocks of the budget (`gpt_jax.ragged.QUERY_BLOCK`)."""
-        share = int(MIXED_PROMPT_SHARE * self.decode_chunk * n_decode)
-        budget = self.max_prefill_tokens if n_decode == 0 else min(
-            self.max_prefill_tokens, max(share - share % MIN_PROMPT_BUCKET, MIN_PROMPT_BUCKET))
+        sequences `decode_chunk` tokens each, in admission order. The prompt budget is
+        `mixed_budget` of the prompt tokens behind the first prefilling sequence (the other
+        prefilling sequences' rest, the queued sequences' prompt and output). Each sequence
+        at most `prefill_chunk_tokens` per call, its chunk taking whole query blocks of the
+        budget (`gpt_jax.ragged.QUERY_BLOCK`)."""
+        seqs = [s for s in self.active if s.status == Status.PREFILLING]
+        queued = (sum(len(s.target) - s.prefilled for s in seqs[1:])
+                  + sum(min(s.length, self.max_seq_len) for s in self.waiting))
+        budget = mixed_budget(n_decode, queued, self.decode_chunk, self.max_prefill_tokens)
         work = []
-        for seq in (s for s in self.active if s.status == Status.PREFILLING):
+        for seq in seqs:
             n = min(len(seq.target) - seq.prefilled, self.prefill_chunk_tokens, budget)
             if n <= 0:
                 break
@@ -421,6 +421,36 @@ class Scheduler:
     def _pages_for(self, n_tokens: int) -> int:
         """Pages that hold `n_tokens` tokens (`gpt_jax.cache.pages_for`, which imports JAX)."""
         return -(-n_tokens // self.page_size)
+
+
+def mixed_budget(n_decode: int, queued_tokens: int, decode_chunk: int,
+                 max_prefill_tokens: int) -> int:
+    """Prompt tokens of a mixed chunk that decodes `n_decode` sequences `decode_chunk`
+    tokens each, with `queued_tokens` prompt tokens waiting behind the prompt going in
+    (every other prefilling sequence's rest, and the queued ones' prompts). With none
+    decoding, `max_prefill_tokens` (nothing to stall). Else MIXED_PROMPT_SHARE of the
+    chunk's decode tokens in whole blocks of MIN_PROMPT_BUCKET tokens, at least one block,
+    plus the queued tokens in whole blocks, at most `max_prefill_tokens`. One prompt alone,
+    however long, goes in at the share, so a call costs at most about 1.25 decode chunks on
+    CPU (issue 39's stall bound); prompts queued behind it go in with it, up to the whole
+    budget, as vLLM's and Sarathi-Serve's fixed token budget is filled whenever prompts
+    wait (arrivals that bring more prompt tokens per decode token than the share would
+    queue behind it: benchmarks/README.md, "Serving"). Example: 16 rows, chunk 8: 32
+    alone; 32 + 80 = 112 with a 72-token prompt queued; 128 (the default
+    `max_prefill_tokens`) with more.
+
+    Raises:
+      ValueError: a negative count, decode_chunk or max_prefill_tokens below 1.
+    """
+    if n_decode < 0 or queued_tokens < 0 or decode_chunk < 1 or max_prefill_tokens < 1:
+        raise ValueError(f"mixed_budget needs n_decode, queued_tokens >= 0 and decode_chunk, "
+                         f"max_prefill_tokens >= 1; got {n_decode}, {queued_tokens}, "
+                         f"{decode_chunk}, {max_prefill_tokens}")
+    if n_decode == 0:
+        return max_prefill_tokens
+    share = int(MIXED_PROMPT_SHARE * decode_chunk * n_decode)
+    share = max(share - share % MIN_PROMPT_BUCKET, MIN_PROMPT_BUCKET)
+    return min(max_prefill_tokens, share + bucket_up(queued_tokens, MIN_PROMPT_BUCKET))
 
 
 def bucket(n: int, floor: int = 1) -> int:

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 from inference.pages import PagePool, page_hashes
-from inference.scheduler import Scheduler, SchedulerPlan, Sequence, SequenceResult, Status
+from inference.scheduler import (Scheduler, SchedulerPlan, Sequence, SequenceResult, Status,
+                                 mixed_budget)
 
 PAGE = 16
 
@@ -126,10 +127,9 @@ def test_prefill_goes_in_chunks_and_takes_turns_with_decode():
 
 def test_mixed_steps_decode_every_running_sequence_while_a_prompt_goes_in():
     """With mixed steps, each call that prefills a chunk also decodes every running
-    sequence; the prompt budget is a share of the call's decode tokens (0.25 x 64-token
-    chunks per decoding sequence, whole 16-token blocks, at least one, at most
-    max_prefill_tokens), the whole budget when none decodes; a running sequence that
-    cannot (speculative) makes prefill and decode chunks take turns again."""
+    sequence; the prompt budget is a share of the call's decode tokens per sequence waiting
+    for its first token (`mixed_budget`), the whole budget when none decodes; a running
+    sequence that cannot (speculative) makes prefill and decode chunks take turns again."""
     s = scheduler(max_prefill_tokens=40, prefill_chunk_tokens=32, decode_chunk=64,
                   num_pages=256)
     s.add(sequence("a", range(20), max_new_tokens=100))
@@ -139,15 +139,17 @@ def test_mixed_steps_decode_every_running_sequence_while_a_prompt_goes_in():
     s.add(sequence("b", range(40), arrival=1, max_new_tokens=100))
     s.add(sequence("c", range(30), arrival=2))
     steps = []
-    for _ in range(4):
+    for _ in range(2):
         plan = s.schedule(mixed=True)
         assert plan.mixed
         steps.append(([q.request_id for q in plan.decode],
                       [(w.seq.request_id, w.start, w.n) for w in plan.prefill]))
         s.update(plan, [SequenceResult(q, [1], [], []) for q in plan.sampled])
-    # one decoding: a budget of 16 (0.25 x 64 = 16); two: 32, and "c" goes in at once
-    assert steps == [(["a"], [("b", 0, 16)]), (["a"], [("b", 16, 16)]),
-                     (["a"], [("b", 32, 8)]), (["a", "b"], [("c", 0, 30)])]
+    # one decoding: a share of 16 (0.25 x 64), and "c"'s 30 tokens queued behind "b" (two
+    # blocks, 32): 48, at most 40; "b" takes 32, "c" 8; then "b"'s last 8 (one block) and
+    # "c"'s last 22
+    assert steps == [(["a"], [("b", 0, 32), ("c", 0, 8)]),
+                     (["a"], [("b", 32, 8), ("c", 8, 22)])]
     plan = s.schedule(mixed=True)  # nothing to prefill: a decode chunk
     assert not plan.mixed and [q.request_id for q in plan.decode] == ["a", "b", "c"]
     assert s.mixed_shapes() == [16, 32, 64]  # the bucket of 40 and the two below
@@ -155,6 +157,51 @@ def test_mixed_steps_decode_every_running_sequence_while_a_prompt_goes_in():
     s.add(sequence("d", range(50), arrival=3))
     s.running()[0].sampling = Sampling(100, speculative="ngram")
     assert [bool(s.schedule(mixed=True).decode) for _ in range(4)] == [False, True] * 2
+
+
+def test_mixed_budget_grows_with_the_prompt_tokens_queued():
+    """The prompt budget of a mixed chunk: a quarter of its decode tokens in whole 16-token
+    blocks (one at least), plus the prompt tokens queued behind the prompt going in, in
+    whole blocks, at most max_prefill_tokens; all of max_prefill_tokens with nothing
+    decoding."""
+    cases = {(16, 0): 32, (16, 10): 48, (16, 72): 112, (16, 96): 128, (16, 500): 128,
+             (8, 0): 16, (8, 16): 32, (8, 17): 48, (6, 0): 16, (4, 1): 32, (1, 0): 16,
+             (32, 0): 64, (64, 0): 128, (0, 0): 128, (0, 300): 128}
+    got = {k: mixed_budget(*k, decode_chunk=8, max_prefill_tokens=128) for k in cases}
+    assert got == cases
+    assert mixed_budget(16, 72, decode_chunk=8, max_prefill_tokens=64) == 64
+    assert mixed_budget(16, 0, decode_chunk=8, max_prefill_tokens=8) == 8  # below one block
+    assert mixed_budget(2, 5, decode_chunk=64, max_prefill_tokens=512) == 48
+    for bad in [(-1, 0, 8, 128), (1, -1, 8, 128), (1, 1, 0, 128), (1, 1, 8, 0)]:
+        try:
+            mixed_budget(*bad)
+        except ValueError as e:
+            assert str(list(bad))[1:-1] in str(e)
+        else:
+            raise AssertionError(f"no error for {bad}")
+
+
+def test_a_lone_long_prompt_goes_in_at_the_share_and_a_queue_behind_it_raises_the_budget():
+    """Mixed steps beside 4 decoding sequences (chunk 8: a share of 8, one 16-token block):
+    a long prompt alone goes in 16 tokens a call; a request queued for a slot (its 40
+    tokens, 48 in blocks) raises the budget to 64, and the long prompt takes its 32-token
+    chunk limit; the queue gone, 16 again."""
+    s = scheduler(max_slots=5, num_pages=256, max_prefill_tokens=128, prefill_chunk_tokens=32)
+    for i in range(4):
+        s.add(sequence(str(i), range(8), arrival=i, max_new_tokens=200))
+    run_prefill(s)
+    s.add(sequence("long", range(200), arrival=4))
+    chunks = []
+    for step in range(4):
+        if step == 1:
+            s.add(sequence("queued", range(40), arrival=5))  # no slot: it waits
+        if step == 3:
+            s.abort("queued")
+        plan = s.schedule(mixed=True)
+        assert plan.mixed and len(plan.decode) == 4
+        chunks.append([(w.seq.request_id, w.n) for w in plan.prefill])
+        s.update(plan, [SequenceResult(q, [1], [], []) for q in plan.sampled])
+    assert chunks == [[("long", 16)], [("long", 32)], [("long", 32)], [("long", 16)]]
 
 
 def test_decode_preempts_the_most_recently_admitted_sequence():
