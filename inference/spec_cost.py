@@ -38,17 +38,19 @@ from gpt_jax.config import GPTConfig
 # - the trained shakespeare-char-llama (0.80M parameters; with the few-rows kernel, mean of
 #   two side-by-side runs; "Third pass");
 # - shakespeare-char-10m (10.6M, random weights: the shape is what costs), `gpt-jax bench
-#   verify_cost --preset shakespeare-char-10m --batch 1 --positions 2 5 --length 128
-#   --no-xla` ("Fifth pass");
+#   verify_cost --preset shakespeare-char-10m --batch 1 --positions 2 5 9 --length 128
+#   --no-xla --name verify_cost-10m` (XNNPACK's products: its weights are over the few-rows
+#   kernel's 512 KB), mean of two runs (T = 9: one) ("Fifth pass");
 # - the GPT-2 shape (124M, random; the few-rows kernel is not used there), `--preset gpt2
 #   --batch 1 --positions 2 5 --length 128 --steps 8 --no-xla` ("Third pass").
-CALIBRATION = ((3.2e6, {2: 1.9, 5: 2.9}), (4.25e7, {2: 1.66, 5: 2.15}),
+CALIBRATION = ((3.2e6, {2: 1.9, 5: 2.9}), (4.25e7, {2: 1.59, 5: 2.23, 9: 2.76}),
                (4.98e8, {2: 1.33, 5: 1.89}))
 
 # (float32 weight bytes, ms per decode step at batch 1), smallest first, measured side by
-# side in one process (only the ratios are used): `gpt-jax bench step_cost` ("Fifth pass":
-# the demo model's 0.25 and 0.60 ms were two models of its size in the same run, at load 10)
-STEP_CALIBRATION = ((3.21e6, 0.42), (4.26e7, 8.88), (4.94e8, 78.6))
+# side in one process (only the ratios are used): `gpt-jax bench step_cost --repeats 11`
+# (presets shakespeare-char-draft, shakespeare-char-llama, shakespeare-char-10m, gpt2;
+# "Fifth pass")
+STEP_CALIBRATION = ((4.01e5, 0.0628), (3.21e6, 0.317), (4.26e7, 2.83), (4.94e8, 47.0))
 
 
 def weight_bytes(config: GPTConfig) -> float:
