@@ -85,7 +85,8 @@ def run_once(params, config, prompts, sampling, draft=None):
     return time.perf_counter() - tick, outs
 
 
-def measure(params, config, prompts, new: int, k: int, repeats: int, draft=None) -> dict:
+def measure(params, config, prompts, new: int, k: int, repeats: int, draft=None,
+            ngram_max: int = 3) -> dict:
     """Median tokens/s off and on (n-gram drafts, or `draft`'s: `(params, config)`),
     alternated, and the speculative counts; and the same ratio over the tokens after the
     first ("decode_speedup": each side's median time less that of the same call with
@@ -93,7 +94,8 @@ def measure(params, config, prompts, new: int, k: int, repeats: int, draft=None)
     first = SamplingParams(temperature=0, max_new_tokens=1)
     off = SamplingParams(temperature=0, max_new_tokens=new)
     on = SamplingParams(temperature=0, max_new_tokens=new, num_speculative_tokens=k,
-                        speculative="ngram" if draft is None else "draft")
+                        speculative="ngram" if draft is None else "draft",
+                        prompt_lookup_max=ngram_max)
     run_once(params, config, prompts, off), run_once(params, config, prompts, on, draft)
     run_once(params, config, prompts, first)
     times, outs = {"off": [], "on": [], "first": []}, {}
@@ -144,6 +146,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--ngram-max", type=int, default=3,
+                        help="prompt_lookup_max, the longest n-gram matched (n-gram drafts)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", default="speculative")
     args = parser.parse_args(argv)
@@ -158,7 +162,7 @@ def main(argv=None):
         for workload, prompts in workloads(args, params, config, batch,
                                            args.max_new_tokens, rng).items():
             row = measure(params, config, prompts, args.max_new_tokens, args.k, args.repeats,
-                          draft)
+                          draft, args.ngram_max)
             rows.append({"workload": workload, "batch": batch, **row})
             print(f"{workload:6} batch {batch}: off {row['off_tokens_per_s']:8.1f} tok/s  "
                   f"on {row['on_tokens_per_s']:8.1f} tok/s  {row['speedup']:.2f}x "
@@ -170,7 +174,7 @@ def main(argv=None):
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     RESULTS.mkdir(exist_ok=True)
     result = {"model": source, "drafts": "n-gram" if draft is None else "draft model",
-              "k": args.k, "max_new_tokens": args.max_new_tokens,
+              "k": args.k, "ngram_max": args.ngram_max, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "load_average": load, "rows": rows}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(rows, RESULTS / f"{args.name}.png",
