@@ -18,7 +18,8 @@ CONTEXT_OVERFLOW = ("error", "crop")  # SamplingParams.context_overflow values (
 SPECULATIVE = ("ngram", "draft")  # SamplingParams.speculative values (None: off)
 MAX_SPECULATIVE_TOKENS = 8  # most drafted tokens per verification
 # longest n-gram prompt lookup matches: a character-level model's text repeats 3 or 4
-# characters everywhere, 8 locate the copied passage (benchmarks/README.md, "Fifth pass")
+# characters everywhere, where 8 can still locate a copied passage (prompt_lookup_max, 3 by
+# default, up to this)
 MAX_NGRAM = 8
 
 
