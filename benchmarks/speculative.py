@@ -16,6 +16,8 @@ Without `--run-dir` the weights are random (`--scale` sharpens them; a random mo
 only where its own output loops). Each configuration is compiled first, then off and on
 are timed in alternating rounds (`--repeats`, median reported) in one process, with the
 load average printed; the rows whose greedy tokens are identical off and on are counted.
+The ratio is also given over the tokens after the first ("decode_speedup"): each side's
+time less that of the same call with max_new_tokens 1 (the prefill), timed in the rounds.
 Writes benchmarks/results/NAME.json and .png (`--name`, default speculative) and prints a table.
 """
 
@@ -83,25 +85,32 @@ def run_once(params, config, prompts, sampling, draft=None):
     return time.perf_counter() - tick, outs
 
 
-def measure(params, config, prompts, new: int, k: int, repeats: int, draft=None) -> dict:
+def measure(params, config, prompts, new: int, k: int, repeats: int, draft=None,
+            ngram_max: int = 3) -> dict:
     """Median tokens/s off and on (n-gram drafts, or `draft`'s: `(params, config)`),
-    alternated, and the speculative counts."""
+    alternated, and the speculative counts; and the same ratio over the tokens after the
+    first ("decode_speedup": each side's median time less that of the same call with
+    max_new_tokens 1, the prefill and first token, timed in the same rounds)."""
+    first = SamplingParams(temperature=0, max_new_tokens=1)
     off = SamplingParams(temperature=0, max_new_tokens=new)
     on = SamplingParams(temperature=0, max_new_tokens=new, num_speculative_tokens=k,
-                        speculative="ngram" if draft is None else "draft")
+                        speculative="ngram" if draft is None else "draft",
+                        prompt_lookup_max=ngram_max)
     run_once(params, config, prompts, off), run_once(params, config, prompts, on, draft)
-    times, outs = {"off": [], "on": []}, {}
+    run_once(params, config, prompts, first)
+    times, outs = {"off": [], "on": [], "first": []}, {}
     for _ in range(repeats):
-        for name, sp in (("off", off), ("on", on)):
+        for name, sp in (("off", off), ("on", on), ("first", first)):
             seconds, outs[name] = run_once(params, config, prompts, sp, draft)
             times[name].append(seconds)
     counts = [o.speculation for o in outs["on"]]
     tokens = sum(len(o.tokens) for o in outs["on"])
     identical = sum(a.tokens == b.tokens for a, b in zip(outs["off"], outs["on"]))
     drafted, accepted = (sum(c[key] for c in counts) for key in ("drafted", "accepted"))
-    off_s, on_s = statistics.median(times["off"]), statistics.median(times["on"])
+    off_s, on_s, first_s = (statistics.median(times[n]) for n in ("off", "on", "first"))
     return {"tokens": tokens, "off_tokens_per_s": tokens / off_s,
             "on_tokens_per_s": tokens / on_s, "speedup": off_s / on_s,
+            "first_token_s": first_s, "decode_speedup": (off_s - first_s) / (on_s - first_s),
             "acceptance": accepted / drafted if drafted else 0.0,
             "tokens_per_step": tokens / sum(c["steps"] for c in counts),
             "identical_rows": f"{identical}/{len(prompts)}"}
@@ -137,6 +146,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--ngram-max", type=int, default=3,
+                        help="prompt_lookup_max, the longest n-gram matched (n-gram drafts)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", default="speculative")
     args = parser.parse_args(argv)
@@ -151,10 +162,11 @@ def main(argv=None):
         for workload, prompts in workloads(args, params, config, batch,
                                            args.max_new_tokens, rng).items():
             row = measure(params, config, prompts, args.max_new_tokens, args.k, args.repeats,
-                          draft)
+                          draft, args.ngram_max)
             rows.append({"workload": workload, "batch": batch, **row})
             print(f"{workload:6} batch {batch}: off {row['off_tokens_per_s']:8.1f} tok/s  "
-                  f"on {row['on_tokens_per_s']:8.1f} tok/s  {row['speedup']:.2f}x  "
+                  f"on {row['on_tokens_per_s']:8.1f} tok/s  {row['speedup']:.2f}x "
+                  f"(after the first token {row['decode_speedup']:.2f}x)  "
                   f"acceptance {row['acceptance']:.0%}  tokens/step "
                   f"{row['tokens_per_step']:.2f}  greedy tokens identical "
                   f"{row['identical_rows']}", flush=True)
@@ -162,7 +174,7 @@ def main(argv=None):
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     RESULTS.mkdir(exist_ok=True)
     result = {"model": source, "drafts": "n-gram" if draft is None else "draft model",
-              "k": args.k, "max_new_tokens": args.max_new_tokens,
+              "k": args.k, "ngram_max": args.ngram_max, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "load_average": load, "rows": rows}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(rows, RESULTS / f"{args.name}.png",

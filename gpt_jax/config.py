@@ -195,6 +195,16 @@ PRESETS: dict[str, GPTConfig] = {
     # and depth, about 1/8 of its parameters (0.10M against 0.80M at vocabulary 65).
     "shakespeare-char-draft": GPTConfig(vocab_size=96, max_seq_len=128, n_layers=2, n_heads=4,
                                         d_model=64, intermediate_size=160, **LLAMA),
+    # Speculative decoding's benchmark pair (issue 38, benchmarks/README.md): a target whose
+    # float32 weights (10.6M parameters, 42 MB) exceed a 32 MB L3 cache, so its decode step
+    # reads them from memory (nanoGPT's shakespeare-char GPU shape: 6 layers, width 384,
+    # context 256, as a Llama-style block), and its draft, the demo's block at context 256
+    # (0.80M, 1/13 of it; a draft's context must hold the target's).
+    "shakespeare-char-10m": GPTConfig(vocab_size=96, max_seq_len=256, n_layers=6, n_heads=6,
+                                      d_model=384, intermediate_size=1024, **LLAMA),
+    "shakespeare-char-llama-256": GPTConfig(vocab_size=96, max_seq_len=256, n_layers=4,
+                                            n_heads=4, d_model=128, intermediate_size=344,
+                                            **LLAMA),
     # nanoGPT's shakespeare_char model with its README's CPU overrides (n_layer 4, n_head 4,
     # n_embd 128, block_size 64); vocab_size is replaced by the tokenizer's (65 on that corpus).
     "nanogpt-cpu": GPTConfig(vocab_size=65, max_seq_len=64, n_layers=4, n_heads=4, d_model=128),

@@ -366,7 +366,8 @@ class Engine:
         self.spec.insert([w.seq.slot for w in work if w.completes], self._spec_arrays())
 
     def _spec_arrays(self):
-        return SpecSlots.arrays(self.scheduler.active, self.max_slots, self.config)
+        return SpecSlots.arrays(self.scheduler.active, self.max_slots, self.config,
+                                None if self.draft is None else self.draft.config)
 
     def _decode(self, running: list[Sequence]) -> None:
         """One chunk of decode steps over the running slots, gathered compactly (a

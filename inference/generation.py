@@ -182,10 +182,12 @@ def validate(config: GPTConfig, prompts, sampling, bos_token_id=None, tokenizer=
             for index, (prompt, sp) in enumerate(zip(prompts, sampling))], sampling
 
 
-def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0, tokenizer=None) -> Batch:
+def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0, tokenizer=None,
+         draft_config=None) -> Batch:
     """Expand `n` (decode rows share their request's prefill row), draw missing seeds, and
     pad prompts, rows and steps to buckets; the rows' structured-output tables (compiled
-    with `tokenizer`, cached) go with their sampling arrays."""
+    with `tokenizer`, cached) go with their sampling arrays; speculative rows' costs count
+    the draft model of `draft_config` (`spec_cost.round_cost`)."""
     rows, source, seeds, index = [], [], [], []
     for p, sp in enumerate(sampling):
         seed = sp.seed if sp.seed is not None else secrets.randbits(32)
@@ -224,7 +226,7 @@ def pack(config: GPTConfig, prompts, sampling, pad_id: int = 0, tokenizer=None) 
         n_steps=n_steps,
         n_top=min(MAX_LOGPROBS, config.vocab_size) if want_logprobs else 0,
         forked=n_real > len(prompts),
-        spec=speculative.SpecArrays.from_params(padded, config),
+        spec=speculative.SpecArrays.from_params(padded, config, draft_config),
         spec_width=0 if outgrows else speculative.width_of(rows),
     )
 
@@ -275,7 +277,8 @@ def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_
         raise ValueError("stop strings need a tokenizer: use inference.LLM for them")
     if all(sp.max_new_tokens == 0 for sp in sampling):  # nothing to do: compile nothing
         return [Completion([], "length", sp.seed or 0) for sp in sampling for _ in range(sp.n)]
-    batch = pack(config, prompts, sampling, pad_id, tokenizer)
+    batch = pack(config, prompts, sampling, pad_id, tokenizer,
+                 None if draft is None else draft[1])
     args = (params, config, jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.prompt_lengths),
             jnp.asarray(batch.source_B), batch.rows, batch.stops)
     static = dict(capacity=batch.capacity, n_steps=batch.n_steps, n_top=batch.n_top,

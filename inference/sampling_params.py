@@ -17,7 +17,10 @@ INT32_MAX = 2**31 - 1  # integer fields become int32 arrays
 CONTEXT_OVERFLOW = ("error", "crop")  # SamplingParams.context_overflow values (None: default)
 SPECULATIVE = ("ngram", "draft")  # SamplingParams.speculative values (None: off)
 MAX_SPECULATIVE_TOKENS = 8  # most drafted tokens per verification
-MAX_NGRAM = 4  # longest n-gram prompt lookup matches
+# longest n-gram prompt lookup matches: a character-level model's text repeats 3 or 4
+# characters everywhere, where 8 can still locate a copied passage (prompt_lookup_max, 3 by
+# default, up to this)
+MAX_NGRAM = 8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,11 +96,11 @@ class SpecSlots:
         self.state = jax.tree.map(jnp.copy, SpecState.init(SpecArrays(zeros, zeros, zeros)))
 
     @staticmethod
-    def arrays(active, max_slots: int, config) -> SpecArrays:
-        """Per-slot settings of the active sequences of a model of `config` (each slot's
-        cost `spec_cost.row_costs`; `use_draft` None when none drafts with a draft model); a
-        "crop" request (one that may outgrow the context) and a free slot do not
-        speculate."""
+    def arrays(active, max_slots: int, config, draft_config=None) -> SpecArrays:
+        """Per-slot settings of the active sequences of a model of `config` with the draft
+        model of `draft_config` (each slot's cost `spec_cost.row_costs`; `use_draft` None
+        when none drafts with a draft model); a "crop" request (one that may outgrow the
+        context) and a free slot do not speculate."""
         k, lo, hi = (np.zeros(max_slots, np.int32) for _ in range(3))
         use_draft = np.zeros(max_slots, bool)
         for q in active:
@@ -111,7 +111,8 @@ class SpecSlots:
             use_draft[q.slot] = sp.speculative == "draft" and fits
         return SpecArrays(*map(jnp.asarray, (k, lo, hi)),
                           use_draft=jnp.asarray(use_draft) if use_draft.any() else None,
-                          cost=row_costs(config, k))  # numpy: no staging program
+                          # numpy: no staging program
+                          cost=row_costs(config, k, draft_config, use_draft))
 
     def insert(self, slots: list[int], arrays: SpecArrays) -> None:
         """Sequences joining the decode batch at `slots` (new, or preempted and admitted

@@ -74,15 +74,16 @@ class SpecArrays:
     # [B] bool, the row drafts with the draft model (`inference.draft`), not n-grams; None:
     # no row does
     use_draft: jax.Array | None = None
-    # [B] float32, decode steps a verification of the row's k costs (`spec_cost.row_costs`);
-    # a row drafts while it expects more tokens per verification. 1: only failing drafts
-    # stop it
+    # [B] float32, what a round of the row's k costs in steps of the row not drafting
+    # (`spec_cost.row_costs`: a verification, and a draft model's steps); a row drafts while
+    # it expects more tokens per round. 1: only failing drafts stop it
     cost: jax.Array | float = 1.0
 
     @classmethod
-    def from_params(cls, rows, config):
-        """The arrays of these rows' SamplingParams for a model of `config` (each row's cost
-        `spec_cost.row_costs`; `use_draft` None when no row drafts with a draft model)."""
+    def from_params(cls, rows, config, draft_config=None):
+        """The arrays of these rows' SamplingParams for a model of `config` and the draft
+        model of `draft_config` (each row's cost `spec_cost.row_costs`; `use_draft` None
+        when no row drafts with a draft model)."""
         ks = [r.num_speculative_tokens if r.speculative else 0 for r in rows]
         col = lambda f: jnp.asarray(np.array([f(r) for r in rows], np.int32))  # noqa: E731
         drafted = [r.speculative == "draft" for r in rows]
@@ -90,7 +91,7 @@ class SpecArrays:
                    ngram_min=col(lambda r: r.prompt_lookup_min),
                    ngram_max=col(lambda r: r.prompt_lookup_max),
                    use_draft=jnp.asarray(drafted) if any(drafted) else None,
-                   cost=jnp.asarray(row_costs(config, ks)))
+                   cost=jnp.asarray(row_costs(config, ks, draft_config, drafted)))
 
 
 def width_of(rows) -> int:

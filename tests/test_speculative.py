@@ -174,6 +174,17 @@ def test_ngram_proposal_longest_latest_match():
     assert drafts[0].tolist() == [3, 4, 1] and drafts[2].tolist() == [5, 5, 5]
 
 
+def test_a_long_ngram_finds_the_copied_passage_a_short_one_misses():
+    """Character-level text repeats short n-grams everywhere: the latest "1 2 3" is not the
+    copied passage's, the 4-gram "5 1 2 3" is (n up to MAX_NGRAM = 8)."""
+    passage = [5, 1, 2, 3, 6, 7, 8]
+    window = jnp.array([[0, 4, 4, *passage, 9, 1, 2, 3, 4, 4, 5, 1, 2, 3]], jnp.int32)
+    n_hist = jnp.array([window.shape[1]])
+    short, _ = speculative.ngram_propose(window, n_hist, jnp.array([1]), jnp.array([3]), 3)
+    long, k = speculative.ngram_propose(window, n_hist, jnp.array([1]), jnp.array([8]), 3)
+    assert short[0].tolist() == [4, 4, 5] and long[0].tolist() == [6, 7, 8] and int(k[0]) == 3
+
+
 def test_adaptive_draft_length_pauses_and_recovers():
     arrays = speculative.SpecArrays(k_max=jnp.array([3]), ngram_min=jnp.array([1]),
                                     ngram_max=jnp.array([3]))
@@ -213,7 +224,7 @@ def test_cost_aware_switch_pauses_unprofitable_rows_only():
 @pytest.mark.parametrize("field,value", [("speculative", "medusa"),
                                          ("num_speculative_tokens", 0),
                                          ("num_speculative_tokens", 9),
-                                         ("prompt_lookup_max", 5), ("prompt_lookup_min", 0)])
+                                         ("prompt_lookup_max", 9), ("prompt_lookup_min", 0)])
 def test_bad_settings_refused(field, value):
     with pytest.raises(RequestError, match=field):
         SamplingParams(**{field: value})

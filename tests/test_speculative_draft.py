@@ -16,7 +16,7 @@ import pytest
 from gpt_jax import GPTConfig
 from inference import SamplingParams, generate
 from inference import draft as draft_model
-from inference.spec_cost import verify_cost
+from inference.spec_cost import round_cost
 from tests.conftest import lively_params
 from tests.test_speculative import (N_SAMPLES, PROMPT, SMALL, TRANSFORMS, _mixed_requests,
                                     _p_value, assert_each_alone, planted_residual_p_value,
@@ -85,11 +85,11 @@ def test_greedy_with_itself_as_draft_accepts_all_and_stops_inside_runs(model, gr
         lost = s["drafted"] - s["accepted"]
         assert lost == 0 if c.finish_reason == "length" else lost < k
         assert s["accepted"] > 0 or len(c.tokens) == 1  # (an EOS as the first token)
-    # the stopped rows that keep drafting (all accepted, k + 1 tokens per verification beat
-    # the cost of verifying k; `spec_cost`) ran fewer forward steps than they emitted tokens: their stops
-    # came inside accepted runs
+    # the stopped rows that keep drafting (all accepted, k + 1 tokens per round beat the
+    # round's cost, its draft steps included; `spec_cost`) ran fewer forward steps than they
+    # emitted tokens: their stops came inside accepted runs
     paying = [c for c, k in drafted[4:]
-              if k + 1 > verify_cost(config, k) and len(c.tokens) > 2]
+              if k + 1 > round_cost(config, k, config) and len(c.tokens) > 2]
     assert len(paying) >= 4
     assert all(c.speculation["steps"] < len(c.tokens) for c in paying)
     assert {c.finish_reason for c in on[4:]} == {"length", "eos", "stop"}

@@ -20,7 +20,8 @@ class TrainConfig:
     """
 
     # GPTConfig preset: tiny, tiny-llama, shakespeare-char, shakespeare-char-llama,
-    # shakespeare-char-draft, nanogpt-cpu, gpt2, smollm2-135m, qwen2.5-0.5b or llama-3.2-1b
+    # shakespeare-char-draft, shakespeare-char-10m,
+    # shakespeare-char-llama-256, nanogpt-cpu, gpt2, smollm2-135m, qwen2.5-0.5b or llama-3.2-1b
     # (vocab_size: the tokenizer's)
     model: str = "shakespeare-char-llama"
     text: str | None = None  # UTF-8 corpus file; None = the built-in Shakespeare plays
