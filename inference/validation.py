@@ -114,7 +114,10 @@ def check_engine_request(engine, request_id: str, prompt, sampling: SamplingPara
     if sampling.speculative == "draft" and engine.draft is None:
         raise RequestError("speculative", "draft", "'ngram' or None without a draft model",
                            owner="", request=request_id, problem="{request}: "
-                           "speculative='draft' needs a draft model: Engine(..., draft=...)")
+                           "speculative='draft' needs a draft model and this engine has none "
+                           "(gpt-jax serve/generate/chat: --draft-run-dir DIR or "
+                           "--draft-hf-checkpoint DIR; Python: LLM(..., draft=...) or "
+                           "Engine(..., draft=...))")
     prompt = check_request(engine.config, prompt, sampling, request=request_id,
                            page_size=engine.page_size, num_pages=engine.num_pages,
                            tokenizer=engine.tokenizer)
