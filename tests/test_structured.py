@@ -250,3 +250,27 @@ def test_a_bad_constraint_is_a_400_naming_it(char_url, field, value, param, name
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and named in error["message"], error
+
+
+def test_json_object_a_vocabulary_cannot_write_is_named_as_the_api_names_it(monkeypatch):
+    """Fault: over a char vocabulary without '{', the server's 400 said
+    `response_format=True cannot be compiled` (the engine's json_object=True, renamed).
+    outlines-core's refusal is stood in for (its DFA of json_object takes seconds)."""
+    from types import SimpleNamespace
+
+    from gpt_jax.tokenizer import CharTokenizer
+    from inference import constraints
+    from inference.api import request_error
+
+    def refuse(regex, vocab):
+        raise ValueError("The vocabulary provided is incompatible with the regex")
+
+    monkeypatch.setattr(constraints, "_compile", refuse)
+    tokenizer = CharTokenizer.from_text("ab ")
+    with pytest.raises(RequestError) as caught:
+        automaton(SamplingParams(json_object=True), tokenizer, 3, request=0)
+    assert str(caught.value).startswith("prompt 0: json_object cannot be compiled: ")
+    body = SimpleNamespace(response_format={"type": "json_object"})
+    message = request_error(caught.value, body).message
+    assert message.startswith("prompt 0: response_format cannot be compiled: ") and \
+        "True" not in message, message
