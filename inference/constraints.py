@@ -111,8 +111,9 @@ def _escape(text: str) -> str:
 
 
 def _braces(error: Exception) -> str:
-    """The library's message, its braces escaped for `RequestError`'s format strings."""
-    return str(error).replace("{", "{{").replace("}", "}}")
+    """The library's message on one line (outlines-core's may take three), its braces
+    escaped for `RequestError`'s format strings."""
+    return " ".join(str(error).split()).replace("{", "{{").replace("}", "}}")
 
 
 def _short(value) -> str:

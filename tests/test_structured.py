@@ -181,6 +181,21 @@ def test_bad_constraints_are_refused_by_name_before_any_work(char_model):
         SamplingParams(choice=[""])
 
 
+def test_a_schema_that_is_no_object_and_a_library_refusal_are_one_line():
+    """Faults: `--json-schema '[1]'` passed SamplingParams (JSON, but not the dict its
+    message allows) and reached outlines-core, whose refusal printed three lines."""
+    from inference.constraints import constraint_regex
+
+    for text in ("[1]", "5", '"a"'):
+        with pytest.raises(RequestError, match=f"json_schema='{re.escape(text)}' is not a "
+                                               r"JSON object; allowed: a dict \(or its"):
+            SamplingParams(json_schema=text)
+    with pytest.raises(RequestError) as caught:
+        constraint_regex(SamplingParams(json_schema={"properties": {"a": [1]}}), request=0)
+    message = str(caught.value)
+    assert "Unsupported JSON Schema structure [1]" in message and "\n" not in message, message
+
+
 # ---------------------------------------------------------------------- the server
 
 SERVER_SLOTS = 8  # the server's engine and the solo reference's: the same programs
