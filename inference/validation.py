@@ -126,7 +126,8 @@ def check_engine_request(engine, request_id: str, prompt, sampling: SamplingPara
 
 def _token_ids(prompt, sampling: SamplingParams, request, bos_token_id) -> list[int]:
     """The prompt as a list of ints (an empty one: `[bos_token_id]`, or [] when nothing is
-    generated)."""
+    generated). A numpy or jax array of ids is taken as its list."""
+    prompt = prompt.tolist() if hasattr(prompt, "tolist") else prompt
     not_ints = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
     if not_ints:
         raise RequestError("prompt", not_ints[0], "integer token ids", code="invalid_type",
