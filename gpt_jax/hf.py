@@ -66,19 +66,30 @@ def _shards(path: Path, index: str) -> list[Path]:
 def _read_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
     """All tensors of the directory as numpy arrays in their stored dtype (bfloat16 as
     `ml_dtypes.bfloat16`; float32 from PyTorch pickles), by their names in the files."""
-    from safetensors.numpy import load_file
-
     if (path / SAFETENSORS).exists():
-        return load_file(path / SAFETENSORS)
+        return _safetensors_file(path / SAFETENSORS)
     if (path / SAFETENSORS_INDEX).exists():
         return {k: v for shard in _shards(path, SAFETENSORS_INDEX)
-                for k, v in load_file(shard).items()}
+                for k, v in _safetensors_file(shard).items()}
     if (path / TORCH_BIN).exists():
         return _read_torch([path / TORCH_BIN])
     if (path / TORCH_BIN_INDEX).exists():
         return _read_torch(_shards(path, TORCH_BIN_INDEX))
     raise FileNotFoundError(f"{path} holds no {what} weights: expected {path / SAFETENSORS} "
                             f"(or {SAFETENSORS_INDEX}, {TORCH_BIN} or {TORCH_BIN_INDEX})")
+
+
+def _safetensors_file(file: Path) -> dict[str, np.ndarray]:
+    """One safetensors file's tensors. Raises ValueError naming the file when it cannot be
+    read (truncated by an interrupted download or copy, or not safetensors at all)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file as read
+
+    try:
+        return read(file)
+    except SafetensorError as error:
+        raise ValueError(f"{file} is not a readable safetensors file ({error}); allowed: a "
+                         "complete file (download or save it again)") from None
 
 
 def _read_torch(files: list[Path]) -> dict[str, np.ndarray]:

@@ -135,8 +135,10 @@ def _refuse_llama_features(hf: dict, where: Path) -> None:
 
 def _rope(hf: dict, where: Path) -> tuple[float, RopeScaling | None]:
     """`(rope_theta, rope_scaling)` from either spelling: transformers 5's `rope_parameters`,
-    or the `rope_theta` and `rope_scaling` of the files on the Hub."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    or the `rope_theta` and `rope_scaling` of the files on the Hub; `rope_scaling` first
+    where both are given, as transformers' `convert_rope_params_to_dict` takes it (a
+    transformers 5 config with a `rope_scaling` added by hand)."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "llama3"):

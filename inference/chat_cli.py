@@ -180,9 +180,12 @@ def command(chat: Chat, line: str) -> str:
         except ValueError:
             parsed = value
         try:
-            chat.sampling = dataclasses.replace(chat.sampling, **{field: parsed})
+            sampling = dataclasses.replace(chat.sampling, **{field: parsed})
+            refuse_for_chat(sampling, chat.llm.draft if sampling.speculative == "draft"
+                            else True, "")
         except (TypeError, ValueError) as error:
             return f"/set {rest.strip()}: {error} (/set FIELD VALUE, a SamplingParams field)"
+        chat.sampling = sampling
         return f"({field} = {value})"
     if name == "/stats":
         return " ".join(f"{k}={v}" for k, v in chat.llm.engine(1).stats().items())
@@ -191,13 +194,24 @@ def command(chat: Chat, line: str) -> str:
     return f"unknown command {name!r}; commands: {', '.join(COMMANDS)}"
 
 
+def refuse_for_chat(sampling: SamplingParams, draft, prefix: str) -> None:
+    """Raise ValueError (fields named with `prefix`: "--" for flags) for what a chat cannot
+    do: several replies or logprobs (a reply is one text), or speculative="draft" where
+    `draft` (the LLM's draft model) is None."""
+    if sampling.n != 1 or sampling.logprobs is not None:
+        raise ValueError(f"{prefix}n and {prefix}logprobs do not apply to a chat (one reply, "
+                         f"as text); allowed: n 1, logprobs null")
+    if sampling.speculative == "draft" and draft is None:
+        raise ValueError("speculative='draft' needs a draft model; allowed: null or 'ngram' "
+                         "here (a draft: gpt-jax chat --draft-run-dir DIR or "
+                         "--draft-hf-checkpoint DIR)")
+
+
 def load(args) -> LLM:
     """The model `args` name with its chat template. Raises SystemExit in one line: a model
     that cannot load, no template, a bad flag."""
     try:
-        sampling = sampling_from_args(args)
-        if sampling.n != 1 or sampling.logprobs is not None:
-            raise ValueError("--n and --logprobs do not apply to a chat (one reply, as text)")
+        refuse_for_chat(sampling_from_args(args), True, "--")
         draft = read_draft(args)  # --speculative draft's model, checked by LLM
         llm = (LLM.from_pretrained(args.hf_checkpoint, args.dtype, args.quantize,
                                    args.chat_template, draft=draft) if args.hf_checkpoint else

@@ -111,8 +111,9 @@ def _escape(text: str) -> str:
 
 
 def _braces(error: Exception) -> str:
-    """The library's message, its braces escaped for `RequestError`'s format strings."""
-    return str(error).replace("{", "{{").replace("}", "}}")
+    """The library's message on one line (outlines-core's may take three), its braces
+    escaped for `RequestError`'s format strings."""
+    return " ".join(str(error).split()).replace("{", "{{").replace("}", "}}")
 
 
 def _short(value) -> str:
@@ -240,9 +241,13 @@ def automaton(sampling, tokenizer, vocab_size: int, request=None) -> Automaton |
         try:
             table = _compile(regex, vocab)
         except ValueError as e:
-            raise _error(field, _value(sampling, field), "a pattern that some text of the "
-                         "tokenizer's tokens matches", "{field}={value!r} cannot be compiled: "
-                         + _braces(e) + _where(regex), request) from None
+            json_object = field == "json_object"  # its value, True, says nothing (and the
+            raise _error(  # API names the field response_format)
+                field, _value(sampling, field),
+                "a tokenizer whose tokens can write a JSON object" if json_object else
+                "a pattern that some text of the tokenizer's tokens matches",
+                ("{field}" if json_object else "{field}={value!r}") + " cannot be compiled: "
+                + _braces(e) + _where(regex), request) from None
         constraint_cache.store(disk_key, constraint_cache.Arrays(
             table.token_class, table.next_state, table.accepting))
     with _LOCK:

@@ -154,6 +154,9 @@ def _expand_sampling(prompts, sampling) -> list[SamplingParams]:
         sampling = SamplingParams()
     if isinstance(sampling, SamplingParams):
         return [sampling] * len(prompts)
+    if not isinstance(sampling, (list, tuple)):  # a dict's keys would be taken for params
+        raise TypeError(f"sampling must be a SamplingParams or a list of them (one per "
+                        f"prompt), got {type(sampling).__name__}")
     sampling = list(sampling)
     if len(sampling) != len(prompts):
         raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")

@@ -77,6 +77,8 @@ def per_request(sampling, change):
 
     if sampling is None or isinstance(sampling, SamplingParams):
         return one(sampling)
+    if not isinstance(sampling, (list, tuple)):
+        return sampling  # validate names its type (a dict's keys are no SamplingParams)
     return [one(sp) for sp in sampling]
 
 

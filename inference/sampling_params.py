@@ -204,10 +204,14 @@ def _check_constraint(sp: SamplingParams) -> None:
             raise RequestError("json_schema", sp.json_schema, "a dict (or its JSON text)",
                                code="invalid_type", problem="{field}={value!r:.60} is not a dict")
         try:
-            set_(sp, "json_schema", json.dumps(json.loads(sp.json_schema), sort_keys=True))
+            schema = json.loads(sp.json_schema)
         except ValueError:
             raise RequestError("json_schema", sp.json_schema, "a dict (or its JSON text)",
                                problem="{field}={value!r:.60} is not JSON") from None
+        if not isinstance(schema, dict):
+            raise RequestError("json_schema", sp.json_schema, "a dict (or its JSON text)",
+                               problem="{field}={value!r:.60} is not a JSON object")
+        set_(sp, "json_schema", json.dumps(schema, sort_keys=True))
     if sp.regex is not None and (not isinstance(sp.regex, str) or not sp.regex):
         raise RequestError("regex", sp.regex, "a non-empty str")
     if sp.choice is not None:

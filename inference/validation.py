@@ -114,7 +114,10 @@ def check_engine_request(engine, request_id: str, prompt, sampling: SamplingPara
     if sampling.speculative == "draft" and engine.draft is None:
         raise RequestError("speculative", "draft", "'ngram' or None without a draft model",
                            owner="", request=request_id, problem="{request}: "
-                           "speculative='draft' needs a draft model: Engine(..., draft=...)")
+                           "speculative='draft' needs a draft model and this engine has none "
+                           "(gpt-jax serve/generate/chat: --draft-run-dir DIR or "
+                           "--draft-hf-checkpoint DIR; Python: LLM(..., draft=...) or "
+                           "Engine(..., draft=...))")
     prompt = check_request(engine.config, prompt, sampling, request=request_id,
                            page_size=engine.page_size, num_pages=engine.num_pages,
                            tokenizer=engine.tokenizer)
@@ -123,7 +126,8 @@ def check_engine_request(engine, request_id: str, prompt, sampling: SamplingPara
 
 def _token_ids(prompt, sampling: SamplingParams, request, bos_token_id) -> list[int]:
     """The prompt as a list of ints (an empty one: `[bos_token_id]`, or [] when nothing is
-    generated)."""
+    generated). A numpy or jax array of ids is taken as its list."""
+    prompt = prompt.tolist() if hasattr(prompt, "tolist") else prompt
     not_ints = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
     if not_ints:
         raise RequestError("prompt", not_ints[0], "integer token ids", code="invalid_type",

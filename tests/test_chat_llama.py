@@ -339,6 +339,30 @@ def test_chat_set_names_an_unknown_field_and_takes_a_bare_word():
         chat.sampling.top_p == 0.5, said
 
 
+def test_chat_set_refuses_what_a_chat_cannot_do_and_keeps_the_old_value():
+    """Fault: `/set n 2` and `/set logprobs 5` were taken (the flags --n and --logprobs are
+    refused: a reply is one text), and `/set speculative draft` without a draft model was
+    taken too, so every later reply failed with `Engine(..., draft=...)` in its message."""
+    from types import SimpleNamespace
+
+    from inference.chat_cli import Chat, command
+
+    chat = Chat(llm=SimpleNamespace(draft=None), sampling=SamplingParams())
+    for line in ("/set n 2", "/set logprobs 5"):
+        said = command(chat, line)
+        assert said.startswith(f"{line}: n and logprobs do not apply to a chat"), said
+    said = command(chat, "/set speculative draft")
+    assert said.startswith("/set speculative draft: speculative='draft' needs a draft model"
+                           ) and "--draft-run-dir" in said, said
+    assert (chat.sampling.n, chat.sampling.logprobs, chat.sampling.speculative) == (1, None,
+                                                                                    None)
+    assert command(chat, "/set speculative ngram") == "(speculative = ngram)"
+    chat.llm.draft = ("params", "config")
+    assert command(chat, "/set speculative draft") == "(speculative = draft)"
+    assert command(chat, "/set speculative null") == "(speculative = null)"
+    assert chat.sampling.speculative is None
+
+
 class ScriptedLLM:
     """An LLM stand-in for `Chat`: a context of `max_seq_len` tokens, a template whose
     prompt is one token per character of the messages' contents, and each reply's pieces

@@ -82,6 +82,21 @@ def test_a_request_check_carries_its_code_request_and_hint_as_data(config):
                                         "needs 8 pages of 8 tokens, but the page pool has 6")
 
 
+def test_a_prompt_given_as_a_numpy_or_jax_array_is_its_list(config):
+    """Fault: `generate(params, config, [np.array([1, 2])], ...)` raised numpy's "The truth
+    value of an array with more than one element is ambiguous" from the request check."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from inference.validation import check_request
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
+    for prompt in (np.array([1, 2]), jnp.array([1, 2], jnp.int32)):
+        assert check_request(config, prompt, greedy, request=0) == [1, 2]
+    with pytest.raises(RequestError, match="prompt 0 is empty"):
+        check_request(config, np.array([], np.int32), greedy, request=0)
+
+
 def test_the_command_line_names_every_field_by_its_flag_in_generate_and_chat():
     """Fault: `gpt-jax generate --speculative ngram --num-speculative-tokens 0` said
     `num_speculative_tokens=0`, `--min-tokens 20 --max-new-tokens 8` said `max_new_tokens=8`

@@ -241,6 +241,9 @@ def _config_only(tmp_path, family, **changes):
     ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0},
                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      r"rope_scaling type='yarn' is not supported \(supported: 'default', 'llama3'\)"),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0},  # was read as default,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},  # transformers
+     r"rope_scaling type='yarn' is not supported"),  # takes rope_scaling first
     ("mistral", {"num_local_experts": 8}, r"num_local_experts=8 \(mixture of experts\)"),
     ("qwen3", {"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
 ])
@@ -256,6 +259,16 @@ def test_a_sliding_window_as_long_as_the_context_is_no_window(tmp_path):
     path = _config_only(tmp_path, "mistral", sliding_window=96)
     with pytest.raises(FileNotFoundError, match="holds no model weights"):
         load_hf(path)  # the config passed; only the weights are missing
+
+
+def test_a_truncated_safetensors_file_is_named_in_one_line(tmp_path):
+    """Fault: a model.safetensors cut short (an interrupted download) raised safetensors'
+    SafetensorError with a traceback through `gpt-jax generate`/`serve`/`LLM`."""
+    path = _config_only(tmp_path, "llama")
+    (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors "
+                                         r"file \(.+\); allowed: a complete file"):
+        load_hf(path)
 
 
 def test_wrong_tensors_are_named(family_dir, tmp_path):

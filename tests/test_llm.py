@@ -166,6 +166,15 @@ def test_no_prompts_give_no_completions_and_no_deltas(llm):
     assert list(llm.stream([], sampling)) == []
 
 
+def test_sampling_of_another_type_is_named_by_its_type(llm):
+    """Fault: `llm.generate(["hi"], {"max_new_tokens": 3})` (a dict, as vLLM's kwargs look)
+    said `sampling must be SamplingParams, got str`, naming a key of the dict."""
+    for sampling, name in (({"max_new_tokens": 3}, "dict"), ("greedy", "str")):
+        with pytest.raises(TypeError, match=f"sampling must be a SamplingParams or a list of "
+                                            rf"them \(one per prompt\), got {name}$"):
+            llm.generate([PROMPT], sampling)
+
+
 def test_streamed_bytes_never_break_a_character(config):
     llm = LLM(lively_params(config, seed=3), config, ByteTokenizer())
     sampling = SamplingParams(temperature=1.5, max_new_tokens=64, n=8, seed=5)

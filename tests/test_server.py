@@ -212,6 +212,7 @@ def error_of(response) -> dict:
     ("stream", "yes", "valid boolean"),
     ("prompt", [1.5], "a list of token ids"), ("stop", [None], "a list of them"),
     ("echo", True, "not supported"),
+    ("speculative", "draft", "--draft-run-dir DIR"),  # named only Engine(..., draft=...)
 ])
 def test_a_bad_field_is_a_400_naming_it_and_what_is_allowed(url, field, value, allowed):
     r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},

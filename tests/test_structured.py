@@ -181,6 +181,21 @@ def test_bad_constraints_are_refused_by_name_before_any_work(char_model):
         SamplingParams(choice=[""])
 
 
+def test_a_schema_that_is_no_object_and_a_library_refusal_are_one_line():
+    """Faults: `--json-schema '[1]'` passed SamplingParams (JSON, but not the dict its
+    message allows) and reached outlines-core, whose refusal printed three lines."""
+    from inference.constraints import constraint_regex
+
+    for text in ("[1]", "5", '"a"'):
+        with pytest.raises(RequestError, match=f"json_schema='{re.escape(text)}' is not a "
+                                               r"JSON object; allowed: a dict \(or its"):
+            SamplingParams(json_schema=text)
+    with pytest.raises(RequestError) as caught:
+        constraint_regex(SamplingParams(json_schema={"properties": {"a": [1]}}), request=0)
+    message = str(caught.value)
+    assert "Unsupported JSON Schema structure [1]" in message and "\n" not in message, message
+
+
 # ---------------------------------------------------------------------- the server
 
 SERVER_SLOTS = 8  # the server's engine and the solo reference's: the same programs
@@ -250,3 +265,27 @@ def test_a_bad_constraint_is_a_400_naming_it(char_url, field, value, param, name
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and named in error["message"], error
+
+
+def test_json_object_a_vocabulary_cannot_write_is_named_as_the_api_names_it(monkeypatch):
+    """Fault: over a char vocabulary without '{', the server's 400 said
+    `response_format=True cannot be compiled` (the engine's json_object=True, renamed).
+    outlines-core's refusal is stood in for (its DFA of json_object takes seconds)."""
+    from types import SimpleNamespace
+
+    from gpt_jax.tokenizer import CharTokenizer
+    from inference import constraints
+    from inference.api import request_error
+
+    def refuse(regex, vocab):
+        raise ValueError("The vocabulary provided is incompatible with the regex")
+
+    monkeypatch.setattr(constraints, "_compile", refuse)
+    tokenizer = CharTokenizer.from_text("ab ")
+    with pytest.raises(RequestError) as caught:
+        automaton(SamplingParams(json_object=True), tokenizer, 3, request=0)
+    assert str(caught.value).startswith("prompt 0: json_object cannot be compiled: ")
+    body = SimpleNamespace(response_format={"type": "json_object"})
+    message = request_error(caught.value, body).message
+    assert message.startswith("prompt 0: response_format cannot be compiled: ") and \
+        "True" not in message, message
