@@ -27,8 +27,7 @@ from inference.constraints import automaton
 from inference.decode import DecodeState, decode_chunk, sample_and_record
 from inference.sampling import SamplingArrays
 from inference.sampling_params import SamplingParams
-from inference.scheduler import (MIN_PROMPT_BUCKET, PrefillWork, Sequence, SequenceResult,
-                                 bucket)
+from inference.scheduler import PrefillWork, Sequence, SequenceResult, bucket
 from inference.steps import run_prefill, run_step
 
 
@@ -164,14 +163,31 @@ def engine_decode(params, config, state: DecodeState, page_table, live_B, rows, 
     return _scatter_rows(state, slots_R, chunk)
 
 
+def prefill_shape(shapes: list[tuple[int, int]], work: list[PrefillWork]) -> tuple[int, int]:
+    """The `(R, T)` of `shapes` (`Scheduler.prefill_shapes`, the ones warmup compiles) that
+    holds `work`'s rows (R at least the rows, T at least the longest chunk) with the fewest
+    padded tokens R x T; on a tie, fewer rows. Example: the defaults' shapes (1, 16),
+    (8, 16), (1, 32), (4, 32), (1, 64), (2, 64): one 20-token chunk takes (1, 32); two 10-token chunks take (2, 64) (128 tokens,
+    as many as (8, 16) and (4, 32), in the fewest rows).
+
+    Raises:
+      ValueError: no shape holds the work (a plan `Scheduler.prefill_work` cannot make).
+    """
+    longest = max(w.n for w in work)
+    fits = [(R * T, R, T) for R, T in shapes if R >= len(work) and T >= longest]
+    if not fits:
+        raise ValueError(f"prefill_shape: no shape of {shapes} holds {len(work)} rows of up "
+                         f"to {longest} tokens")
+    return min(fits)[1:]
+
+
 def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, recent_width: int,
-                  window_width: int, tokenizer=None) -> PrefillBatch:
-    """The rows of a prefill call, padded to buckets (rows and T); a row that completes its
-    prompt carries the sequence's history (a preempted one resumes where it was):
-    `recent_width` last generated tokens, `window_width` (W) last tokens, its automaton's
-    state (structured output, compiled with `tokenizer`)."""
-    R = bucket(len(work))
-    T = bucket(max(w.n for w in work), MIN_PROMPT_BUCKET)
+                  window_width: int, shape: tuple[int, int], tokenizer=None) -> PrefillBatch:
+    """The rows of a prefill call, padded to `shape` (R, T: `prefill_shape`); a row that
+    completes its prompt carries the sequence's history (a preempted one resumes where it
+    was): `recent_width` last generated tokens, `window_width` (W) last tokens, its
+    automaton's state (structured output, compiled with `tokenizer`)."""
+    R, T = shape
     V = vocab_size
     tokens = np.zeros((R, T), np.int32)
     n_valid, start, step, constraint = (np.zeros(R, np.int32) for _ in range(4))

@@ -27,7 +27,7 @@ from gpt_jax.config import GPTConfig
 from gpt_jax.params import inference_params
 from inference import stopping, warmup
 from inference.batching import (decode_rows, engine_decode, engine_prefill, prefill_batch,
-                                row_arrays, sequence_results)
+                                prefill_shape, row_arrays, sequence_results)
 from inference.constraint_mask import warmup_arrays
 from inference.constraints import automaton
 from inference.decode import CHUNK, empty_state, widen_recent
@@ -343,6 +343,7 @@ class Engine:
         table = self._page_table()
         batch = prefill_batch(work, self.max_slots, self.config.vocab_size,
                               self.state.recent.shape[1], self.state.window.shape[1],
+                              prefill_shape(self.scheduler.prefill_shapes(), work),
                               self.tokenizer)
         self.state = (self.prefill_program or engine_prefill)(
             self.params, self.config, self.state, table, batch, rows, stops, pad_id=0)

@@ -343,18 +343,24 @@ class Scheduler:
         `mixed_budget` of the prompt tokens behind the first prefilling sequence (the other
         prefilling sequences' rest, the queued sequences' prompt and output). Each sequence
         at most `prefill_chunk_tokens` per call, its chunk taking whole query blocks of the
-        budget (`gpt_jax.ragged.QUERY_BLOCK`)."""
+        budget (`gpt_jax.ragged.QUERY_BLOCK`). A short prompt (its whole target within one
+        chunk) goes in whole past the budget while the call's blocks stay within
+        `max_prefill_tokens`, as a prefill call would take it: its first token one call
+        after it is admitted; a long one keeps the budget (the stall bound)."""
         seqs = [s for s in self.active if s.status == Status.PREFILLING]
         queued = (sum(len(s.target) - s.prefilled for s in seqs[1:])
                   + sum(min(s.length, self.max_seq_len) for s in self.waiting))
         budget = mixed_budget(n_decode, queued, self.decode_chunk, self.max_prefill_tokens)
-        work = []
+        room, work = self.max_prefill_tokens, []  # room: the call's cap, in whole blocks
         for seq in seqs:
-            n = min(len(seq.target) - seq.prefilled, self.prefill_chunk_tokens, budget)
-            if n <= 0:
-                break
-            work.append(PrefillWork(seq, seq.prefilled, n))
-            budget -= bucket_up(n, MIN_PROMPT_BUCKET)
+            rest = len(seq.target) - seq.prefilled
+            short = (len(seq.target) <= self.prefill_chunk_tokens
+                     and bucket_up(rest, MIN_PROMPT_BUCKET) <= room)
+            n = rest if short else min(rest, self.prefill_chunk_tokens, budget)
+            if n > 0:
+                work.append(PrefillWork(seq, seq.prefilled, n))
+                budget -= bucket_up(n, MIN_PROMPT_BUCKET)
+                room -= bucket_up(n, MIN_PROMPT_BUCKET)
         return work
 
     def prefilled(self, work: list[PrefillWork]) -> None:
@@ -430,11 +436,11 @@ def mixed_budget(n_decode: int, queued_tokens: int, decode_chunk: int,
     (every other prefilling sequence's rest, and the queued ones' prompts). With none
     decoding, `max_prefill_tokens` (nothing to stall). Else MIXED_PROMPT_SHARE of the
     chunk's decode tokens in whole blocks of MIN_PROMPT_BUCKET tokens, at least one block,
-    plus the queued tokens in whole blocks, at most `max_prefill_tokens`. One prompt alone,
-    however long, goes in at the share, so a call costs at most about 1.25 decode chunks on
-    CPU (issue 39's stall bound); prompts queued behind it go in with it, up to the whole
-    budget, as vLLM's and Sarathi-Serve's fixed token budget is filled whenever prompts
-    wait (arrivals that bring more prompt tokens per decode token than the share would
+    plus the queued tokens in whole blocks, at most `max_prefill_tokens`. One long prompt
+    alone goes in at the share (a short one whole: `Scheduler.mixed_work`), so a call costs
+    at most about 1.25 decode chunks on CPU (issue 39's stall bound); prompts queued
+    behind it go in with it, up to the whole budget, as vLLM's and Sarathi-Serve's fixed
+    token budget is filled whenever prompts wait (arrivals that bring more prompt tokens per decode token than the share would
     queue behind it: benchmarks/README.md, "Serving"). Example: 16 rows, chunk 8: 32
     alone; 32 + 80 = 112 with a 72-token prompt queued; 128 (the default
     `max_prefill_tokens`) with more.

@@ -14,10 +14,11 @@ import pytest
 from conftest import assert_close, assert_lively
 from gpt_jax import CharTokenizer, init_cache
 from inference import Engine, SamplingParams, compile_counts, generate, prefill, warmup
-from inference.batching import engine_decode, engine_prefill
+from inference.batching import engine_decode, engine_prefill, prefill_shape
 from inference.mixed import engine_mixed
 from inference.decode import CHUNK
 from inference.llm import LLM
+from inference.scheduler import PrefillWork
 
 TOKENIZER = CharTokenizer([chr(ord("0") + i) for i in range(64)])  # '0'..'o', one per id
 
@@ -240,13 +241,30 @@ def test_chunked_prefill_equals_one_prefill(config, params):
         assert finals["long"].token_ids == alone.tokens
 
 
-def test_a_random_workload_runs_only_the_programs_warmup_lists(config, params):
+def test_a_prefill_call_takes_the_smallest_listed_shape_that_holds_it():
+    """The defaults' prefill shapes (16 slots, 128-token budget, 64-token chunks): a call
+    of 2 or 3 rows pads to a listed row count, never to an unlisted power of two."""
+    shapes = [(1, 16), (8, 16), (1, 32), (4, 32), (1, 64), (2, 64)]
+    chunks = lambda *ns: [PrefillWork(None, 0, n) for n in ns]  # noqa: E731
+    assert prefill_shape(shapes, chunks(10)) == (1, 16)
+    assert prefill_shape(shapes, chunks(20)) == (1, 32)
+    assert prefill_shape(shapes, chunks(10, 12)) == (2, 64)  # 128 tokens, the fewest rows
+    assert prefill_shape(shapes, chunks(10, 12, 16)) == (4, 32)
+    assert prefill_shape(shapes, chunks(*[16] * 5)) == (8, 16)
+    assert prefill_shape(shapes, chunks(64, 33)) == (2, 64)
+    with pytest.raises(ValueError, match="no shape"):
+        prefill_shape(shapes, chunks(64, 64, 64))
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_random_workload_runs_only_the_programs_warmup_lists(config, params, mixed):
     """Compiles stay bounded: warmup lists at most 12 programs and compiles them, then 200
-    random requests (chunked prompts inside mixed steps, n = 2, stops, log-probs) run only
-    listed programs and compile nothing more."""
+    random requests (chunked prompts, in mixed steps or in prefill calls of a few rows
+    padded to a listed shape, n = 2, stops, log-probs) run only listed programs and compile
+    nothing more."""
     rng = np.random.default_rng(4)
     requests = random_requests(config, rng, 200, text=False)
-    engine = Engine(params, config, max_slots=8, max_prefill_tokens=64, mixed_steps=True)
+    engine = Engine(params, config, max_slots=8, max_prefill_tokens=64, mixed_steps=mixed)
     listed = set(warmup.programs(engine))
     assert len(listed) <= 12, sorted(listed)
     for mixed_steps in (False, True):  # the defaults: 6 + 6 prefill, 2 x 3 + 6 mixed

@@ -204,6 +204,36 @@ def test_a_lone_long_prompt_goes_in_at_the_share_and_a_queue_behind_it_raises_th
     assert chunks == [[("long", 16)], [("long", 32)], [("long", 32)], [("long", 16)]]
 
 
+def test_a_short_prompt_goes_in_whole_beside_decoding_sequences():
+    """Mixed steps beside 4 to 8 decoding sequences (chunk 8: a share of 16), 32-token
+    chunks, a 64-token cap: a lone 30-token prompt goes in whole in one call (not 16 + 14);
+    a lone 40-token one is long: 16 a call. A long one then two short ones (30, 20)
+    arriving together: the queue raises the budget to the cap, the long one takes its
+    32-token chunk and the first short one the 32 left, whole; the second, over the cap,
+    goes in whole next, beside the long one's last 8."""
+    s = scheduler(max_slots=12, num_pages=256, max_prefill_tokens=64, prefill_chunk_tokens=32)
+    for i in range(4):
+        s.add(sequence(str(i), range(8), arrival=i, max_new_tokens=200))
+    run_prefill(s)
+
+    def chunks(calls):
+        got = []
+        for _ in range(calls):
+            plan = s.schedule(mixed=True)
+            assert plan.mixed and len(plan.decode) >= 4
+            got.append([(w.seq.request_id, w.start, w.n) for w in plan.prefill])
+            s.update(plan, [SequenceResult(q, [1], [], []) for q in plan.sampled])
+        return got
+
+    s.add(sequence("short", range(30), arrival=4, max_new_tokens=1))
+    assert chunks(1) == [[("short", 0, 30)]]
+    s.add(sequence("long", range(40), arrival=5, max_new_tokens=1))
+    assert chunks(3) == [[("long", 0, 16)], [("long", 16, 16)], [("long", 32, 8)]]
+    for name, n in [("long2", 40), ("a", 30), ("b", 20)]:
+        s.add(sequence(name, range(n), arrival=6, max_new_tokens=1))
+    assert chunks(2) == [[("long2", 0, 32), ("a", 0, 30)], [("long2", 32, 8), ("b", 0, 20)]]
+
+
 def test_decode_preempts_the_most_recently_admitted_sequence():
     s = scheduler(num_pages=4, decode_chunk=24)
     for i in range(3):  # 16-token prompts: a page each, all admitted
