@@ -115,6 +115,16 @@ def interleaved(runs: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def ms_per_step(program, steps: int):
+    """A run for `interleaved`: calls `program()` (a jitted function of no arguments that runs
+    `steps` steps) and returns its milliseconds per step, the result waited for."""
+    def run() -> float:
+        tick = time.perf_counter()
+        jax.block_until_ready(program())
+        return (time.perf_counter() - tick) / steps * 1e3
+    return run
+
+
 def preset(name: str) -> GPTConfig:
     # shakespeare-char's position table (320) is too short for prompt 64 + 512 new tokens.
     return GPTConfig.preset(name, max_seq_len=1024) if name == "shakespeare-char" else \

@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 import statistics
-import time
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -79,17 +79,16 @@ def main(argv=None):
     from gpt_jax import GPTConfig
     from inference.spec_cost import weight_bytes
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from speed import interleaved, ms_per_step
+
     configs = {name: GPTConfig.preset(name) for name in args.preset}  # unknown: ValueError
     fns = {name: decode_program(config, args.length, args.steps)
            for name, config in configs.items()}
     for f in fns.values():
         jax.block_until_ready(f())
-    times = {name: [] for name in fns}
-    for _ in range(args.repeats):
-        for name, f in fns.items():
-            tick = time.perf_counter()
-            jax.block_until_ready(f())
-            times[name].append((time.perf_counter() - tick) / args.steps * 1e3)
+    times = interleaved({name: ms_per_step(f, args.steps) for name, f in fns.items()},
+                        args.repeats)
     rows = [{"preset": name, "weight_bytes": weight_bytes(configs[name]),
              "ms_per_step": statistics.median(ms)} for name, ms in times.items()]
     for r in rows:

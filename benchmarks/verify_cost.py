@@ -26,7 +26,7 @@ import argparse
 import json
 import os
 import statistics
-import time
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -89,6 +89,9 @@ def main(argv=None):
     from gpt_jax.kernels import few_rows_matmul, paged_attention
     from gpt_jax.params import decode_layout
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from speed import interleaved, ms_per_step
+
     if args.run_dir:
         config, params, _ = load_params(args.run_dir)
     else:
@@ -116,12 +119,8 @@ def main(argv=None):
             fns |= {f"{name} (XNNPACK products)": f for name, f in xnn.items()}
         for f in fns.values():
             jax.block_until_ready(f())
-        times = {name: [] for name in fns}
-        for _ in range(args.repeats):
-            for name, f in fns.items():
-                tick = time.perf_counter()
-                jax.block_until_ready(f())
-                times[name].append((time.perf_counter() - tick) / args.steps * 1e3)
+        times = interleaved({name: ms_per_step(f, args.steps) for name, f in fns.items()},
+                            args.repeats)
         decode = statistics.median(times["decode"])
         for name, ms in times.items():
             ms = statistics.median(ms)

@@ -1,5 +1,6 @@
-// Shared by the native CPU kernels (paged_attention.cc, causal_attention.cc, int8_matmul.cc):
-// a parallel loop over XLA:CPU's intra-op thread pool and eight-float vector helpers. Built
+// Shared by the native CPU kernels (paged_attention.cc, causal_attention.cc, int8_matmul.cc,
+// few_rows_matmul.cc): a parallel loop over XLA:CPU's intra-op thread pool, eight-float vector
+// helpers and the widest float vector with its fused multiply-add. Built
 // into each kernel by gpt_jax/kernels/builder.py (its text is part of every kernel's cache key).
 
 #ifndef GPT_JAX_KERNELS_COMMON_H_
@@ -13,6 +14,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -77,6 +82,28 @@ inline float sum8(f32x8 v) {
   float total = 0.0f;
   for (int j = 0; j < 8; ++j) total += v[j];
   return total;
+}
+
+// The CPU's widest float vector, `fvec` of kLanes floats: 16 with AVX-512, else 8 (AVX2 and
+// the scalar build, which splits it).
+#if defined(__AVX512F__)
+typedef float fvec __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+#else
+typedef f32x8 fvec;
+constexpr int kLanes = 8;
+#endif
+
+// acc + a * b, one rounding where the CPU has fused multiply-add (GCC does not contract
+// `acc + a * b` under -std=c++17).
+inline fvec fma(fvec a, fvec b, fvec acc) {
+#if defined(__AVX512F__)
+  return (fvec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+  return (fvec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+  return acc + a * b;
+#endif
 }
 
 }  // namespace gpt_jax_kernels

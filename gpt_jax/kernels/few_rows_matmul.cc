@@ -49,32 +49,18 @@ constexpr int64_t kMaxChunkBytes = 1 << 20;  // most bytes of w per task (a larg
 constexpr int64_t kTasksPerThread = 8;  // more tasks than threads: the last one waits less
 constexpr int64_t kSerialBytes = 1 << 20;  // up to this many bytes of w: the calling thread
 
-// The CPU's float vector, kLanes floats: 16 with AVX-512 (32 registers), else 8 (AVX's 16
-// registers; the scalar build splits it). kAccumulators: the tile's budget of registers.
+// The tile's budget of accumulator registers for `fvec` (common.h): AVX-512 has 32
+// registers, AVX 16.
 #if defined(__AVX512F__)
-typedef float fvec __attribute__((vector_size(64)));
-constexpr int kLanes = 16, kAccumulators = 16;
+constexpr int kAccumulators = 16;
 #else
-typedef f32x8 fvec;
-constexpr int kLanes = 8, kAccumulators = 8;
+constexpr int kAccumulators = 8;
 #endif
 
 inline fvec load(const float* p) {
   fvec v;
   std::memcpy(&v, p, sizeof v);
   return v;
-}
-
-// acc + a * b, one rounding where the CPU has fused multiply-add (GCC does not contract
-// `acc + a * b` under -std=c++17).
-inline fvec fma(fvec a, fvec b, fvec acc) {
-#if defined(__AVX512F__)
-  return (fvec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
-#elif defined(__FMA__)
-  return (fvec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
-#else
-  return acc + a * b;
-#endif
 }
 
 inline float lane_sum(fvec v) {

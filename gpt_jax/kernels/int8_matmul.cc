@@ -52,16 +52,14 @@ constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in a panel's bytes to
 // waits at most one task's time for the other.
 constexpr int64_t kTasksPerThread = 8;
 
-// The CPU's float vector, `fvec` of kLanes floats, and the tile it affords (see `panels`):
+// The tile the CPU's float vector (`fvec` of kLanes floats: common.h) affords (see `panels`):
 // with AVX-512, one 16-float register holds a panel's 16 channels, and 32 registers hold
 // 24 accumulators (three panels by eight rows); with AVX2, a panel takes two 8-float
 // registers and 16 registers hold 12 (one panel by six rows).
 #if defined(__AVX512F__)
-typedef float fvec __attribute__((vector_size(64)));
-constexpr int kLanes = 16, kTilePanels = 3, kTileRows = 8;
+constexpr int kTilePanels = 3, kTileRows = 8;
 #else
-typedef f32x8 fvec;
-constexpr int kLanes = 8, kTilePanels = 1, kTileRows = 6;
+constexpr int kTilePanels = 1, kTileRows = 6;
 #endif
 constexpr int kVectors = kPanel / kLanes;  // vectors per panel
 constexpr int kAccumulators = kTilePanels * kVectors * kTileRows;
@@ -90,18 +88,6 @@ inline fvec broadcast(const float* p) {  // vbroadcastss from memory (`fvec{} + 
   return (fvec)_mm256_set1_ps(*p);
 #else
   return fvec{*p, *p, *p, *p, *p, *p, *p, *p};
-#endif
-}
-
-// acc + a * b, one rounding where the CPU has fused multiply-add (GCC does not contract
-// `acc + a * b` under -std=c++17).
-inline fvec fma(fvec a, fvec b, fvec acc) {
-#if defined(__AVX512F__)
-  return (fvec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
-#elif defined(__FMA__)
-  return (fvec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
-#else
-  return acc + a * b;
 #endif
 }
 
