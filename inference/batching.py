@@ -27,7 +27,8 @@ from inference.constraints import automaton
 from inference.decode import DecodeState, decode_chunk, sample_and_record
 from inference.sampling import SamplingArrays
 from inference.sampling_params import SamplingParams
-from inference.scheduler import PrefillWork, Sequence, SequenceResult, bucket
+from inference.buckets import bucket
+from inference.scheduler import PrefillWork, Sequence, SequenceResult
 from inference.steps import run_prefill, run_step
 
 

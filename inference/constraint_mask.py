@@ -26,7 +26,7 @@ import numpy as np
 from flax import struct
 
 from inference.constraints import Automaton
-from inference.scheduler import bucket
+from inference.buckets import bucket
 from inference.stopping import UNUSED
 
 # smallest padded S and C: small tables (a choice, a flat schema) share one program, and at

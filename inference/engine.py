@@ -123,7 +123,7 @@ class Engine:
         (`gpt_jax.tensor_parallel`), the same tokens as on one device; `stats()["mesh"]`.
       mixed_steps: True: prompts are prefilled inside the decode chunks of the running
         requests (`inference.mixed`; not with a mesh), a prompt budget per call of a share
-        of its decode tokens plus the prompt tokens queued (`scheduler.mixed_budget`, at
+        of its decode tokens plus the prompt tokens queued (`buckets.mixed_budget`, at
         most `max_prefill_tokens`); False (the default): prefill calls and decode chunks take
         turns. Both give the same tokens (benchmarks/README.md, "Serving": the figures).
       draft: `(params, config)` of a draft model for `speculative="draft"` requests

@@ -37,7 +37,7 @@ from inference.decode import (CHUNK, DecodeState, decode_loop, init_state, promp
                               prompt_window, sample_and_record)
 from inference.sampling import SamplingArrays, prompt_hash
 from inference.sampling_params import MAX_LOGPROBS, SamplingParams
-from inference.scheduler import MIN_PROMPT_BUCKET, bucket
+from inference.buckets import MIN_PROMPT_BUCKET, bucket
 from inference.steps import cached_model
 from inference.verify import verifier
 from inference.validation import check_request

@@ -29,7 +29,8 @@ from gpt_jax.ragged import QUERY_BLOCK, ragged_transformer
 from inference import stopping
 from inference.batching import _gather_rows, _scatter_rows, live_slots, put_history
 from inference.decode import CHUNK, DecodeState, decode_chunk, sample_and_record
-from inference.scheduler import MIN_PROMPT_BUCKET, PrefillWork, Sequence, bucket
+from inference.buckets import MIN_PROMPT_BUCKET, bucket
+from inference.scheduler import PrefillWork, Sequence
 from inference.steps import run_step
 
 

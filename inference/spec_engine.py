@@ -26,7 +26,7 @@ from inference.batching import _first_rows, _put_first_rows, decode_rows
 from inference.spec_cost import row_costs
 from inference.decode import DecodeState
 from inference.draft_engine import engine_draft_speculate
-from inference.scheduler import bucket
+from inference.buckets import bucket
 from inference.speculative import (NO_RATE, PAUSE_START, SpecArrays, SpecState,
                                    speculative_chunk, width_of)
 from inference.verify import verifier

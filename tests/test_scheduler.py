@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from inference.pages import PagePool, page_hashes
-from inference.scheduler import (Scheduler, SchedulerPlan, Sequence, SequenceResult, Status,
-                                 mixed_budget)
+from inference.buckets import mixed_budget
+from inference.scheduler import Scheduler, SchedulerPlan, Sequence, SequenceResult, Status
 
 PAGE = 16
 
