@@ -181,8 +181,8 @@ def command(chat: Chat, line: str) -> str:
             parsed = value
         try:
             sampling = dataclasses.replace(chat.sampling, **{field: parsed})
-            refuse_for_chat(sampling, chat.llm.draft if sampling.speculative == "draft"
-                            else True, "")
+            refuse_for_chat(sampling, sampling.speculative != "draft"
+                            or chat.llm.draft is not None, "")
         except (TypeError, ValueError) as error:
             return f"/set {rest.strip()}: {error} (/set FIELD VALUE, a SamplingParams field)"
         chat.sampling = sampling
@@ -194,14 +194,14 @@ def command(chat: Chat, line: str) -> str:
     return f"unknown command {name!r}; commands: {', '.join(COMMANDS)}"
 
 
-def refuse_for_chat(sampling: SamplingParams, draft, prefix: str) -> None:
+def refuse_for_chat(sampling: SamplingParams, has_draft: bool, prefix: str) -> None:
     """Raise ValueError (fields named with `prefix`: "--" for flags) for what a chat cannot
-    do: several replies or logprobs (a reply is one text), or speculative="draft" where
-    `draft` (the LLM's draft model) is None."""
+    do: several replies or logprobs (a reply is one text), or speculative="draft" without
+    a draft model (`has_draft` False)."""
     if sampling.n != 1 or sampling.logprobs is not None:
         raise ValueError(f"{prefix}n and {prefix}logprobs do not apply to a chat (one reply, "
                          f"as text); allowed: n 1, logprobs null")
-    if sampling.speculative == "draft" and draft is None:
+    if sampling.speculative == "draft" and not has_draft:
         raise ValueError("speculative='draft' needs a draft model; allowed: null or 'ngram' "
                          "here (a draft: gpt-jax chat --draft-run-dir DIR or "
                          "--draft-hf-checkpoint DIR)")
@@ -211,7 +211,7 @@ def load(args) -> LLM:
     """The model `args` name with its chat template. Raises SystemExit in one line: a model
     that cannot load, no template, a bad flag."""
     try:
-        refuse_for_chat(sampling_from_args(args), True, "--")
+        refuse_for_chat(sampling_from_args(args), True, "--")  # the draft: LLM checks it
         draft = read_draft(args)  # --speculative draft's model, checked by LLM
         llm = (LLM.from_pretrained(args.hf_checkpoint, args.dtype, args.quantize,
                                    args.chat_template, draft=draft) if args.hf_checkpoint else
