@@ -88,7 +88,8 @@ def start(name: str, args, port: int) -> subprocess.Popen:
     if name == "gpt-jax":
         command = [sys.executable, "-m", "gpt_jax.cli", "serve", "--hf-checkpoint",
                    str(args.model_dir), "--port", str(port), "--max-slots",
-                   str(args.max_slots), "--max-queue", "4096", "--served-model-name", "model"]
+                   str(args.max_slots), "--max-queue", "4096", "--served-model-name", "model",
+                   *(["--mixed-steps"] if args.mixed_steps else [])]
     else:
         command = [str(Path(sys.executable).with_name("transformers")), "serve",
                    str(args.model_dir), "--continuous-batching", "--device", "cpu",
@@ -288,6 +289,8 @@ def main(argv=None) -> None:
     p.add_argument("--out-min", type=int, default=16)
     p.add_argument("--out-max", type=int, default=64)
     p.add_argument("--max-slots", type=int, default=16, help="gpt-jax serve --max-slots")
+    p.add_argument("--mixed-steps", action="store_true", help="gpt-jax serve --mixed-steps")
+    p.add_argument("--name", default="serve-load", help="results file name under results/")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--time-limit", type=float, default=600.0,
                    help="seconds a rate's requests may take in all")
@@ -307,8 +310,8 @@ def main(argv=None) -> None:
         row["errors"] = "; ".join(row["errors"])
     extra = {"workload": {k: getattr(args, k) for k in (
         "requests", "prompt_min", "prompt_max", "out_min", "out_max", "max_slots",
-        "vocab_size")}, "profile": args.profile_result}
-    save("serve-load", rows, plot, extra)
+        "mixed_steps", "vocab_size")}, "profile": args.profile_result}
+    save(args.name, rows, plot, extra)
 
 
 if __name__ == "__main__":

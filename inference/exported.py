@@ -171,5 +171,6 @@ def attach(engine, directory: Path) -> ExportedPrograms:
     engine.prefill_program = programs.wrap(engine_prefill, ("config", "pad_id"), "state")
     engine.decode_program = programs.wrap(engine_decode, ("config", "n_rows", "pad_id"),
                                           "state")
-    engine.mixed_program = programs.wrap(engine_mixed, ("config", "pad_id"), "state")
+    engine.mixed_program = programs.wrap(engine_mixed, ("config", "n_rows", "pad_id"),
+                                         "state")
     return programs

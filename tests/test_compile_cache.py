@@ -138,13 +138,16 @@ def test_an_entry_that_does_not_decompress_is_removed_with_a_warning_once(tmp_pa
         assert compile_cache.discard_corrupt(tmp_path) == []
 
 
-def run(engine):
-    """Two requests through `engine`: each one's tokens, log-probs and finish reason."""
+def run(engine, stagger=False):
+    """Two requests through `engine` (`stagger`: the second added once the first decodes):
+    each one's tokens, log-probs and finish reason."""
     from inference import SamplingParams
 
     sampling = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, logprobs=2)
     for i, prompt in enumerate([[1, 2, 3], [9, 8, 7, 6, 5, 4, 3]]):
         engine.add_request(str(i), prompt, sampling)
+        for _ in range(2 if stagger and i == 0 else 0):  # its prefill, then a decode chunk
+            engine.step()
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step()})
@@ -196,3 +199,23 @@ def test_an_exported_engine_s_warmup_compiles_without_running_and_serving_lowers
         served = run(engine)
     assert not [r.getMessage() for r in caplog.records if "jit(call)" in r.getMessage()]
     assert served == run(Engine(params, config, **sizes))
+
+
+def test_an_exported_engine_with_mixed_steps_gives_the_jitted_engine_s_tokens(
+        tmp_path, config, params):
+    """`serve --mixed-steps` attaches exported programs too: warmup exports every listed
+    program (the mixed chunk's decode rows `n_rows` are static, as the decode chunk's), and
+    a prompt arriving while another decodes runs a mixed step with the jitted engine's
+    tokens."""
+    from inference import Engine, exported, warmup
+
+    sizes = {"max_slots": 2, "max_prefill_tokens": 16, "prefill_chunk_tokens": 16,
+             "mixed_steps": True}
+    engine = Engine(params, config, **sizes)
+    store = exported.attach(engine, tmp_path)
+    engine.warmup()
+    assert len(store.programs) == len(warmup.programs(engine))
+    mixed, calls = engine.mixed_program, []
+    engine.mixed_program = lambda *args, **kwargs: calls.append(1) or mixed(*args, **kwargs)
+    assert run(engine, stagger=True) == run(Engine(params, config, **sizes), stagger=True)
+    assert calls
