@@ -164,6 +164,28 @@ def test_each_id_of_the_eos_list_ends_a_reply_with_stop(llama_dir, llm, client, 
     assert choice.message.content == out.text
 
 
+def test_an_empty_text_prompt_is_bos_alone_as_vllm_takes_it(llama_dir, llm, client,
+                                                             monkeypatch):
+    """Fault: "" was refused by /v1/completions and `gpt-jax generate` although this
+    tokenizer adds BOS: vLLM takes it as the prompt [BOS]. Now the server, `LLM.generate`
+    and the command take it so (test_llm: refused, by name, where no BOS is added)."""
+    from inference import cli
+
+    out, = llm.generate([""], SamplingParams(temperature=0.0, max_new_tokens=6),
+                        max_batch_size=SLOTS, progress=False)
+    assert len(out.tokens) == 6
+    for prompt in ("", [0]):  # the text "", the token ids [BOS]
+        r = client.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=6,
+                                      temperature=0)
+        assert r.usage.prompt_tokens == 1 and r.choices[0].text == out.text
+    seen = []
+    monkeypatch.setattr(cli.LLM, "from_pretrained", lambda *args, **kwargs: llm)
+    monkeypatch.setattr(cli, "print_stream", lambda *args: seen.append(args))
+    cli.main(["--hf-checkpoint", str(llama_dir), "--prompt", "", "--temperature", "0"])
+    (_, prompts, sampling), = seen
+    assert prompts == [""] and sampling.temperature == 0.0
+
+
 # ---------------------------------------------------------------------- gpt-jax chat
 
 # Makes the pseudo-terminal the controlling terminal of the command (a new session), so
