@@ -366,7 +366,8 @@ def test_logit_bias_is_stored_as_sorted_pairs_and_checked_per_entry():
         ({5: 100.5}, r"SamplingParams\.logit_bias\[5\]=100.5 is out of range; allowed: "
                      r"\[-100, 100\]"),
         ({5: float("inf")}, r"SamplingParams\.logit_bias\[5\]=inf is out of range"),
-        ({5: True}, r"SamplingParams\.logit_bias\[5\]=True is out of range"),
+        ({5: True}, r"SamplingParams\.logit_bias\[5\]=True is not a number; allowed: "
+                    r"numbers in \[-100, 100\]"),
         ({"5": 1.0}, r"SamplingParams\.logit_bias='5' is not an integer"),
         ([(5, 1.0), (5, -2.0)], r"SamplingParams\.logit_bias gives token id 5 twice"),
         ([(5,)], r"SamplingParams\.logit_bias entry \(5,\) is not a \(token id, bias\) pair"),
