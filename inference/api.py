@@ -34,12 +34,23 @@ class StreamOptions(BaseModel):
 
 def _bounded(default, name: str, **api_bounds):
     """A pydantic Field bounded as SamplingParams bounds the field `name` (`RANGES`), or by
-    `api_bounds` where the API differs."""
+    `api_bounds` where the API differs; a float field refuses NaN and inf (JSON has
+    neither, but Python's json writes them). Its interval, in RANGES' words, is its
+    `json_schema_extra["allowed"]`, for the errors (`validation_error`)."""
     range_ = RANGES[name]
     bounds = {"gt" if range_.low_open else "ge": range_.low}
     if range_.high != math.inf:
         bounds["le"] = range_.high
-    return Field(default, **(bounds | api_bounds))
+    bounds |= api_bounds
+    finite = {} if range_.integer else {"allow_inf_nan": False}
+    return Field(default, **bounds, **finite, json_schema_extra={"allowed": _interval(bounds)})
+
+
+def _interval(bounds: dict) -> str:
+    """Pydantic bounds (ge or gt, le or none) as an interval: "[0, 2]", "(0, inf)"."""
+    number = lambda x: int(x) if float(x).is_integer() else x  # noqa: E731  (2.0 -> 2)
+    low = f"[{number(bounds['ge'])}" if "ge" in bounds else f"({number(bounds['gt'])}"
+    return f"{low}, {number(bounds['le'])}]" if "le" in bounds else f"{low}, inf)"
 
 
 class SamplingFields(BaseModel):
@@ -140,8 +151,12 @@ SHAPES = {"prompt": "a string, a list of strings, a list of token ids (integers)
                         f"{BIAS.allowed}"}  # what a field of several shapes may be
 
 
-def validation_error(error: ValidationError | RequestValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field, the value and what is allowed."""
+def validation_error(error: ValidationError | RequestValidationError,
+                     model: type[BaseModel] | None = None) -> APIError:
+    """The first pydantic error as a 400 naming the field, the value and what is allowed:
+    for a number field of `model` (the request's class), its interval (`_bounded`), with
+    the code "invalid_type" for a value that is not a number, as OpenAI's API answers
+    `"temperature": "hot"`."""
     first = error.errors()[0]
     loc = [str(p) for p in first["loc"] if p != "body"]
     if first["type"] == "json_invalid":
@@ -156,6 +171,14 @@ def validation_error(error: ValidationError | RequestValidationError) -> APIErro
     if first["type"] == "extra_forbidden":
         return APIError(400, f"unknown field '{param}'", param=param)
     value = json.dumps(first.get("input"), default=str)[:80]
+    info = model.model_fields.get(param) if model is not None else None
+    allowed = (info.json_schema_extra or {}).get("allowed") if info is not None else None
+    if allowed and first["type"] in ("float_type", "float_parsing"):  # "hot", true, "0.5"
+        return APIError(400, f"{param}={value} is not a number; allowed: numbers in {allowed}",
+                        param=param, code="invalid_type")
+    if allowed and first["type"] == "finite_number":  # NaN, Infinity
+        return APIError(400, f"{param}={value} is not a finite number; allowed: {allowed}",
+                        param=param)
     return APIError(400, f"{param}={value} is invalid: {first['msg']}", param=param)
 
 

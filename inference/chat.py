@@ -10,21 +10,28 @@ templates use: `messages`, `add_generation_prompt`, `tools`/`documents` (None), 
 tokenizer's special tokens (`bos_token`, `eos_token`, ...), `raise_exception`,
 `strftime_now`, a `tojson` filter that does not escape HTML (transformers' own), and the
 `{% generation %}` block tag (rendered as its body; transformers uses it to mark assistant
-tokens for training). Messages are checked first: role system, user or assistant, content a
-string or a list of text parts (joined by newlines, as vLLM joins them, so every template
-sees a string).
+tokens for training). Messages are checked first: role system, developer, user or
+assistant, content a string or a list of text parts (joined by newlines, as vLLM joins
+them, so every template sees a string). "developer" is OpenAI's newer name for the system
+message: a template that never names it as a string (Llama's, Qwen's, SmolLM2's: they know
+system/user/assistant/tool; some raise on any other role, others drop it unrendered) sees
+it as "system", as llama.cpp's server maps it (and vLLM's Responses API); one that names it
+(gpt-oss's) sees it as given.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
 from inference.errors import RequestError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
+# A template that compares a role with "developer" knows that role; others see it as "system".
+KNOWS_DEVELOPER = re.compile(r"""["']developer["']""")
 # Tokens that end a turn in the common template families (Qwen/SmolLM2's ChatML, Llama 3,
 # Phi-3, Gemma); those a template writes stop generation, beside the EOS token.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -110,7 +117,8 @@ def check_messages(messages) -> list[dict]:
     content that is not text."""
     if not isinstance(messages, list) or not messages:
         raise _message_error("messages must be a non-empty list", "a list of messages, each "
-                             '{"role": "system" | "user" | "assistant", "content": ...}')
+                             '{"role": "system" | "developer" | "user" | "assistant", '
+                             '"content": ...}')
     out = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
@@ -140,12 +148,16 @@ class ChatTemplate:
                              f"{error.lineno})") from None
 
     def render(self, messages, add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation. Raises RequestError (field "messages") for bad
+        """The prompt text of a conversation (a "developer" message as "system" unless the
+        template names that role). Raises RequestError (field "messages") for bad
         messages or a template that refuses them (its own message: e.g. "Conversation
         roles must alternate user/assistant/user/assistant/...")."""
         import jinja2
 
         checked = check_messages(messages)
+        if not KNOWS_DEVELOPER.search(self.source):
+            checked = [m | {"role": "system"} if m["role"] == "developer" else m
+                       for m in checked]
         try:
             return compile_template(self.source).render(
                 messages=checked, tools=None, documents=None,

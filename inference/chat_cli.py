@@ -14,7 +14,13 @@ each reply one line says so (prompt tokens, how many came from the prefix cache,
 were prefilled), with the time to its first text, its length and the finish reason.
 A conversation that outgrows the model's context drops its oldest exchanges (a user message
 and its reply), the system message kept, and says so in one line on stderr, as Ollama
-truncates a chat's messages to its context and llama.cpp logs its context shift.
+truncates a chat's messages to its context and llama.cpp logs its context shift. A reply
+gets at most the tokens the context leaves and stops there with finish reason "length",
+which its line says (vLLM's default max_tokens; llama.cpp's server without context shift);
+a message that alone leaves no room for a reply is refused, naming both lengths, the
+conversation kept. `--context-overflow crop` (`/set context_overflow crop`) instead crops
+such a message and lets a reply go past the context, each token predicted from the last
+max_seq_len (nanoGPT's window), its line saying so.
 
 At the `>` prompt:
   /reset         forget the conversation (the system message stays)
@@ -56,8 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "chat_template.jinja or tokenizer_config.json's)")
     p.add_argument("--system", default=None, help="the system message to start with")
     add_sampling_args(p)
+    p.set_defaults(context_overflow="error")  # a reply stops at the context (module doc)
     add_draft_args(p)
     return p.parse_args(argv)
+
+
+class ContextFull(ValueError):
+    """A message that alone leaves no room for a reply in the model's context."""
 
 
 @dataclasses.dataclass
@@ -73,18 +84,28 @@ class Chat:
         """The conversation with `user` said next."""
         return self._with(self.turns, user)
 
-    def fit_context(self, user: str, err) -> None:
-        """Drop the oldest exchanges until the prompt with `user` said next fits the
-        model's context (`drop_oldest_exchanges`), saying so on `err` in one line; and say
-        when `user` alone (with the system message) is past it, which a "crop" reply crops
-        and an "error" one refuses. Raises as `ChatTemplate.encode`."""
+    def fit_context(self, user: str, err) -> int:
+        """The prompt length (tokens) with `user` said next, once the oldest exchanges are
+        dropped until it leaves room for a reply token (`drop_oldest_exchanges`), saying so
+        on `err` in one line. A message that alone (with the system message) leaves no room
+        is refused (`ContextFull`, nothing dropped), or under "crop" cropped to its last
+        max_seq_len tokens, which `err` is told. Raises as `ChatTemplate.encode`."""
         llm, limit = self.llm, self.llm.config.max_seq_len
         length = lambda turns: len(llm.chat_template.encode(  # noqa: E731
             llm.tokenizer, self._with(turns, user)))
+        crop = self.sampling.overflow("error") == "crop"
+        alone = length([])
+        if alone >= limit and not crop:
+            raise ContextFull(
+                f"this message makes a prompt of {alone} tokens"
+                f"{' with the system message' if self.system else ''}, and the model's "
+                f"context is {limit} tokens (max_seq_len): no room for a reply, so it was "
+                "not sent; shorten it (or /set context_overflow crop to keep its last "
+                f"{limit} tokens)")
         before = length(self.turns)
-        if before <= limit:
-            return
-        kept = drop_oldest_exchanges(self.turns, length, limit)
+        if before < limit:
+            return before
+        kept = drop_oldest_exchanges(self.turns, length, limit - 1)
         after = length(kept)
         if kept != self.turns:
             dropped = (len(self.turns) - len(kept)) // 2
@@ -94,10 +115,23 @@ class Chat:
                   f"{'; the system message stays' if self.system else ''})", file=err,
                   flush=True)
             self.turns = kept
-        if after > limit and self.sampling.context_overflow != "error":
+        if after > limit:  # under "crop" only
             print(f"gpt-jax chat: this message makes a prompt of {after} tokens, past "
                   f"max_seq_len {limit}: its first {after - limit} tokens are cropped",
                   file=err, flush=True)
+        return min(after, limit)
+
+    def reply_sampling(self, prompt_length: int) -> SamplingParams:
+        """The sampling of a reply to a prompt of `prompt_length` tokens: under "error" (the
+        chat's default) at most the tokens the context leaves (`min_tokens` too), so that
+        a reply reaching the context ends with finish reason "length"; "crop" as set."""
+        overflow = self.sampling.overflow("error")
+        if overflow == "crop":
+            return dataclasses.replace(self.sampling, context_overflow=overflow)
+        room = min(self.sampling.max_new_tokens, self.llm.config.max_seq_len - prompt_length)
+        return dataclasses.replace(self.sampling, context_overflow=overflow,
+                                   max_new_tokens=room,
+                                   min_tokens=min(self.sampling.min_tokens, room))
 
     def _with(self, turns: list[dict], user: str) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -107,12 +141,14 @@ class Chat:
         """Stream the reply to `user` to `out`, keep both in the conversation, and return
         the turn's summary line; first fit the conversation to the context (`fit_context`,
         its line on `err`). Ctrl-C (SIGINT) stops the reply at its next piece of text and
-        keeps what was said. Raises as `LLM.stream_chat` (before anything is printed:
-        the conversation is then left as it was, less the exchanges dropped)."""
-        self.fit_context(user, err)
+        keeps what was said. Raises ContextFull (`fit_context`), or as `LLM.stream_chat`
+        (before anything is printed: the conversation is then left as it was, less the
+        exchanges dropped)."""
+        prompt_length = self.fit_context(user, err)
         engine = self.llm.engine(1)  # one slot, the same engine every turn
         before = engine.stats()
-        deltas = self.llm.stream_chat([self.messages(user)], self.sampling, max_batch_size=1)
+        deltas = self.llm.stream_chat([self.messages(user)], self.reply_sampling(prompt_length),
+                                      max_batch_size=1)
         stop = threading.Event()
         previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
         start, first, said, done = time.monotonic(), None, "", None
@@ -131,7 +167,9 @@ class Chat:
             signal.signal(signal.SIGINT, previous)
         self.turns += [{"role": "user", "content": user},
                        {"role": "assistant", "content": said}]
-        return _summary(engine.page_size, before, engine.stats(), start, first, done)
+        note = _context_note(self.sampling.overflow("error"), prompt_length, done,
+                             self.llm.config.max_seq_len)
+        return _summary(engine.page_size, before, engine.stats(), start, first, done, note)
 
 
 def drop_oldest_exchanges(turns: list[dict], length, limit: int) -> list[dict]:
@@ -143,11 +181,26 @@ def drop_oldest_exchanges(turns: list[dict], length, limit: int) -> list[dict]:
     return turns
 
 
+def _context_note(overflow: str, prompt_length: int, done, limit: int) -> str:
+    """What the summary adds after the finish reason of a reply (`done`, a TextCompletion or
+    None) to a prompt of `prompt_length` tokens that reached the context (`limit` tokens):
+    under "error" that it is full, under "crop" that the reply went past it."""
+    if done is None:
+        return ""
+    total = prompt_length + len(done.tokens)
+    if overflow == "crop":
+        return (f": past max_seq_len {limit}, each token was predicted from the last {limit}"
+                if total > limit else "")
+    return f": the context (max_seq_len {limit}) is full" if \
+        done.finish_reason == "length" and total >= limit else ""
+
+
 def _summary(page_size: int, before: dict, after: dict, start: float, first: float | None,
-             done) -> str:
+             done, note: str = "") -> str:
     """One line on a turn: its prompt tokens, from the prefix cache and prefilled (engine
     counters before and after), when its first text came (the engine hands text over by
-    chunks of decode steps), its length and finish reason ("interrupted": Ctrl-C)."""
+    chunks of decode steps), its length and finish reason ("interrupted": Ctrl-C), then
+    `note` (`_context_note`)."""
     reused = (after["prefix_cache_hits"] - before["prefix_cache_hits"]) * page_size
     prefilled = after["prefilled_tokens"] - before["prefilled_tokens"]
     line = (f"[prompt {reused + prefilled} tokens: {reused} from the prefix cache, "
@@ -157,7 +210,7 @@ def _summary(page_size: int, before: dict, after: dict, start: float, first: flo
     if done is None:
         return line + "; interrupted]"
     return line + (f"; {len(done.tokens)} tokens in {time.monotonic() - start:.2f} s; "
-                   f"{done.finish_reason}]")
+                   f"{done.finish_reason}{note}]")
 
 
 def command(chat: Chat, line: str) -> str:

@@ -176,23 +176,23 @@ def print_token_ids(llm: LLM, prompts: list[tuple[int, ...]], sampling: Sampling
 def main(argv=None):
     args = parse_args(argv)
     prompts = [p.replace("\\n", "\n") for p in (args.prompt or ["\n"])]
-    if not all(prompts):  # else validate's error names generate's bos_token_id, not a flag
-        raise SystemExit("gpt-jax generate: --prompt is empty; give a non-empty --prompt (the "
-                         "text the model continues), or no --prompt to start from a newline")
     if args.no_compile_cache:
         compile_cache.disable()  # the LLM's default is on
     try:
         sampling = sampling_from_args(args)  # every flag checked before loading
         llm = load_llm(args)
+        encoded = [] if args.prompt_ids else [llm.tokenizer.encode(p) for p in prompts]
+        if not all(encoded):  # --prompt "": [BOS] with a tokenizer that adds one, as vLLM
+            raise SystemExit("gpt-jax generate: --prompt is empty and the model's tokenizer "
+                             "adds no BOS; give a non-empty --prompt (the text the model "
+                             "continues), or no --prompt to start from a newline")
         if args.max_new_tokens is None and args.context_overflow == "error":  # what fits
-            longest = max(len(p) for p in args.prompt_ids) if args.prompt_ids else \
-                max(len(llm.tokenizer.encode(p)) for p in prompts)
+            longest = max(len(p) for p in args.prompt_ids or encoded)
             sampling = dataclasses.replace(sampling, max_new_tokens=max(  # >= 1: a full
                 1, min(DEFAULT_MAX_NEW_TOKENS, llm.config.max_seq_len - longest)))  # prompt errs
         # Check every request before printing anything, so a bad one is a one-line error.
         if not args.prompt_ids:
-            validate(llm.config, [llm.tokenizer.encode(p) for p in prompts], sampling,
-                     tokenizer=llm.tokenizer)
+            validate(llm.config, encoded, sampling, tokenizer=llm.tokenizer)
     except (ValueError, OSError, ImportError) as error:  # ImportError: a .bin without torch
         raise refusal(error) from None
     if args.prompt_ids:

@@ -44,6 +44,7 @@ from inference.draft import check_draft
 from inference.engine import Engine
 from inference.generation import validate
 from inference.sampling_params import SamplingParams
+from inference.validation import encode_text
 
 
 @dataclasses.dataclass
@@ -194,15 +195,17 @@ class LLM:
                    draft=draft)
 
     def _encode(self, prompts) -> list[list[int]]:
-        """Token ids of each text prompt. Raises TypeError for a bare string (which would
-        otherwise be taken as one prompt per character) or a non-string prompt."""
+        """Token ids of each text prompt (`encode_text`: "" is [BOS] with a tokenizer that
+        adds one). Raises TypeError for a bare string (which would otherwise be taken as one
+        prompt per character) or a non-string prompt; RequestError for a prompt of no
+        tokens."""
         if isinstance(prompts, (str, bytes)):
             raise TypeError(f"prompts must be a list of strings, got a bare string {prompts!r:.40}"
                             "; wrap it in a list")
         bad = [p for p in prompts if not isinstance(p, str)]
         if bad:
             raise TypeError(f"prompts must be strings, got {type(bad[0]).__name__}")
-        return [self.tokenizer.encode(p) for p in prompts]
+        return [encode_text(self.tokenizer, p, i) for i, p in enumerate(prompts)]
 
     def generate(self, prompts: list[str], sampling=None, *, max_batch_size: int = 32,
                  progress: bool = True) -> list[TextCompletion]:
@@ -218,8 +221,8 @@ class LLM:
           progress: show the progress bar (stderr).
         Raises:
           ValueError: `max_batch_size` < 1, a prompt character outside the tokenizer's
-            vocabulary, or any invalid request (see `inference.generation.validate`), before
-            anything runs.
+            vocabulary, an empty prompt when the tokenizer adds no BOS, or any invalid
+            request (see `inference.generation.validate`), before anything runs.
         """
         deltas = self.stream(prompts, sampling, max_batch_size=max_batch_size)
         return _collect(deltas, sampling, len(prompts), progress, "generate")

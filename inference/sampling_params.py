@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import numbers
+import sys
 
 from inference.errors import RequestError
 
@@ -70,8 +71,8 @@ class SamplingParams:
     """How to sample one request. Validated on construction.
 
     Raises:
-      RequestError (a ValueError): a field is out of range; the message names the field,
-        value and range (`RANGES`).
+      RequestError (a ValueError): a field is out of range, NaN, not a number or not an
+        integer; the message names the field, the value and its range (`RANGES`).
       TypeError: an unknown field (the dataclass constructor rejects it).
     """
 
@@ -246,7 +247,7 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
                                problem="{field} entry {value!r} is not a (token id, bias) pair")
         token_id, bias = pair
         _check("logit_bias", token_id, TOKEN_ID)
-        _check("logit_bias", bias, BIAS, f"{{field}}[{token_id}]={{value!r}} is out of range")
+        _check("logit_bias", bias, BIAS, f"{{field}}[{token_id}]={{value!r}}")
         if int(token_id) in out:
             raise RequestError("logit_bias", token_id, "each id once",
                                problem="{field} gives token id {value!r} twice")
@@ -254,13 +255,23 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-def _check(name, value, range_=None, problem="{field}={value!r} is out of range"):
+def _check(name, value, range_=None, subject="{field}={value!r}"):
     """Raise RequestError unless `value` is in `range_` (default `RANGES[name]`): an integer
-    for an integer range, else a finite real."""
+    for an integer range, else a finite real. The message names the value as `subject`
+    says and what is wrong with it: not an integer, not a number (a string, a bool: code
+    "invalid_type", as OpenAI's API refuses `"temperature": "hot"`), NaN, or out of range
+    (inf included: a float range's bounds are finite or open)."""
     range_ = range_ or RANGES[name]
     if range_.integer and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
         raise RequestError(name, value, f"integers {range_.allowed}", code="invalid_type",
-                           problem="{field}={value!r} is not an integer")
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not real or not (range_.integer or math.isfinite(value)) or value not in range_:
-        raise RequestError(name, value, range_.allowed, problem=problem)
+                           problem=subject + " is not an integer")
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise RequestError(name, value, f"numbers in {range_.allowed}", code="invalid_type",
+                           problem=subject + " is not a number")
+    if value != value:  # NaN, the one value unequal to itself
+        raise RequestError(name, value, range_.allowed, problem=subject + " is NaN (not a "
+                           "number)")
+    # a float field's value must be a finite float: not inf, nor an int past float's range
+    # (no math.isfinite, which raises OverflowError for such an int)
+    if not (range_.integer or abs(value) <= sys.float_info.max) or value not in range_:
+        raise RequestError(name, value, range_.allowed, problem=subject + " is out of range")

@@ -65,7 +65,7 @@ from inference.errors import RequestError
 from inference.metrics import Metrics
 from inference.sampling_params import SamplingParams
 from inference.streaming import InFlight, started
-from inference.validation import check_request
+from inference.validation import check_request, encode_text
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
 
@@ -161,8 +161,9 @@ class Server:
 
 
 def _prompts(body: CompletionRequest, engine: Engine) -> list[list[int]]:
-    """Token ids of each prompt. Raises APIError for an empty prompt list or text that the
-    tokenizer cannot encode."""
+    """Token ids of each prompt; text as the tokenizer encodes it (`encode_text`: "" is
+    [BOS] when the tokenizer adds one, as vLLM takes it). Raises APIError for an empty
+    prompt list, a prompt of no tokens, or text that the tokenizer cannot encode."""
     p = body.prompt
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
         p = [p]
@@ -170,16 +171,18 @@ def _prompts(body: CompletionRequest, engine: Engine) -> list[list[int]]:
         raise APIError(400, "prompt is an empty list; give at least one prompt",
                        param="prompt")
     out = []
-    for item in p:
-        if not item:
-            raise APIError(400, "a prompt is empty; each prompt needs at least one token",
-                           param="prompt")
+    for i, item in enumerate(p):
         if isinstance(item, str):
             try:
-                out.append(engine.tokenizer.encode(item))
+                out.append(encode_text(engine.tokenizer, item, i))
+            except RequestError as error:
+                raise request_error(error) from None
             except (KeyError, ValueError) as error:
                 raise APIError(400, f"the prompt cannot be encoded: {error}",
                                param="prompt") from None
+        elif not item:
+            raise APIError(400, f"prompt {i} is empty; a prompt needs at least one token",
+                           param="prompt")
         else:
             out.append(list(item))
     return out
@@ -189,7 +192,8 @@ async def _checked_prompts(body: CompletionRequest, engine: Engine,
                            sampling: SamplingParams) -> list[list[int]]:
     """The prompts as token ids, each checked as the engine will check it (`check_request`:
     the vocabulary, the context, the page pool; named by its index). Raises APIError."""
-    if engine.tokenizer is None and not isinstance(body.prompt, list):
+    given = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if engine.tokenizer is None and any(isinstance(p, str) for p in given):
         raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
     prompts = await asyncio.to_thread(_prompts, body, engine)  # long text: off the loop
     try:  # off the loop too: compiling a new structured-output constraint takes seconds
@@ -243,7 +247,7 @@ async def _body(request: Request, limit: int, model=CompletionRequest):
     try:
         return model.model_validate_json(b"".join(chunks))
     except ValidationError as error:
-        raise validation_error(error) from None
+        raise validation_error(error, model) from None
 
 
 def _engine_error(error: BaseException) -> APIError:

@@ -74,6 +74,18 @@ def check_request(config: GPTConfig, prompt, sampling: SamplingParams, *,
     return prompt
 
 
+def encode_text(tokenizer, text: str, request: int | str) -> list[int]:
+    """The token ids of a text prompt; for empty text, the tokens the tokenizer adds (its
+    BOS: vLLM's prompt "" is then [BOS]). Raises RequestError (field "prompt", naming
+    `request`) when there are none: empty text and a tokenizer that adds no BOS."""
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise RequestError("prompt", text, "at least one token", owner="", request=request,
+                           problem="{request} is empty: the text {value!r:.40} encodes to no "
+                           "tokens (this tokenizer adds no BOS)", lead="; a prompt needs ")
+    return ids
+
+
 def check_engine_request(engine, request_id: str, prompt, sampling: SamplingParams | None):
     """Every check of one request to `engine` (an `inference.Engine`, `Engine.check_request`),
     before anything is queued (the engine keeps serving the others): the engine's own (the
@@ -97,7 +109,7 @@ def check_engine_request(engine, request_id: str, prompt, sampling: SamplingPara
         if engine.tokenizer is None:
             raise RequestError("prompt", prompt, "token ids", owner="", request=request_id,
                                problem="{request}: a text prompt needs " + needs)
-        prompt = engine.tokenizer.encode(prompt)
+        prompt = encode_text(engine.tokenizer, prompt, request_id)
     if isinstance(prompt, np.ndarray):
         prompt = prompt.tolist()
     if sampling.stop and engine.tokenizer is None:

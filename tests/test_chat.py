@@ -210,6 +210,35 @@ def test_raise_exception_generation_tag_and_tojson_as_transformers(bpe):
         assert caught.value.field == "messages" and said in str(caught.value)
 
 
+# gpt-oss's way (reduced): a template that names the developer role renders it its own way.
+KNOWS_DEVELOPER = (
+    "{% for m in messages %}{% if m.role == 'developer' %}{{ '<|start|>developer<|message|># "
+    "Instructions\n\n' + m.content + '<|end|>' }}{% else %}{{ '<|start|>' + m.role + "
+    "'<|message|>' + m.content + '<|end|>' }}{% endif %}{% endfor %}<|start|>assistant")
+
+
+@pytest.mark.parametrize("template", [LLAMA3, LLAMA32, QWEN25, SMOLLM2],
+                         ids=["llama3", "llama3.2", "qwen2.5", "smollm2"])
+def test_a_developer_message_is_the_system_message_of_a_template_without_that_role(bpe,
+                                                                                  template):
+    """Fault: role "developer" (OpenAI's newer name for system instructions) was refused.
+    Passed to these templates as it is, Llama's would render a "developer" header the
+    model never saw and Qwen2.5's would drop the message and write its default system
+    prompt; so a template that does not name the role sees "system" (llama.cpp's server
+    maps it so): the prompt is transformers' for the same conversation with "system"."""
+    hf = hf_tokenizer(bpe, template)
+    for messages in CONVERSATIONS[:2]:
+        developer = [m | {"role": "developer"} if m["role"] == "system" else m for m in messages]
+        assert ours(template).render(developer) == hf.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False)
+    with pytest.raises(RequestError, match="System role not supported"):  # as a system one
+        ours(STRICT).render([{"role": "developer", "content": "x"}])
+    said = ChatTemplate(KNOWS_DEVELOPER).render([{"role": "developer", "content": "Be brief."},
+                                                 {"role": "user", "content": "Hi"}])
+    assert said == ("<|start|>developer<|message|># Instructions\n\nBe brief.<|end|><|start|>"
+                    "user<|message|>Hi<|end|><|start|>assistant")
+
+
 def test_messages_are_checked_and_text_parts_joined():
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
                                           {"type": "text", "text": "b {x}"}]}]
@@ -358,6 +387,16 @@ def test_streamed_chat_chunks_join_to_the_reply(chat_client, chat_llm):
     assert finish == {k: {"eos": "stop", "stop": "stop", "length": "length"}[r.finish_reason]
                       for k, r in enumerate(ref)}
     assert chunks[-1].usage.completion_tokens == sum(len(r.tokens) for r in ref)
+
+
+def test_a_developer_message_is_served_as_the_system_message(chat_client, chat_llm):
+    """Fault: role "developer" was a 400 ("roles ['system', 'user', 'assistant']")."""
+    developer = [TALK[0] | {"role": "developer"}] + TALK[1:]
+    expected, = solo_chat(chat_llm, TALK, max_new_tokens=8, temperature=0.0)
+    r = chat_client.chat.completions.create(model="chat", messages=developer, max_tokens=8,
+                                            temperature=0)
+    assert r.choices[0].message.content == expected.text
+    assert r.usage.prompt_tokens == len(ChatTemplate(CHATML).encode(chat_llm.tokenizer, TALK))
 
 
 def test_the_end_of_turn_token_ends_a_chat_with_stop_not_in_the_text(chat_client, bpe):

@@ -164,6 +164,28 @@ def test_each_id_of_the_eos_list_ends_a_reply_with_stop(llama_dir, llm, client, 
     assert choice.message.content == out.text
 
 
+def test_an_empty_text_prompt_is_bos_alone_as_vllm_takes_it(llama_dir, llm, client,
+                                                             monkeypatch):
+    """Fault: "" was refused by /v1/completions and `gpt-jax generate` although this
+    tokenizer adds BOS: vLLM takes it as the prompt [BOS]. Now the server, `LLM.generate`
+    and the command take it so (test_llm: refused, by name, where no BOS is added)."""
+    from inference import cli
+
+    out, = llm.generate([""], SamplingParams(temperature=0.0, max_new_tokens=6),
+                        max_batch_size=SLOTS, progress=False)
+    assert len(out.tokens) == 6
+    for prompt in ("", [0]):  # the text "", the token ids [BOS]
+        r = client.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=6,
+                                      temperature=0)
+        assert r.usage.prompt_tokens == 1 and r.choices[0].text == out.text
+    seen = []
+    monkeypatch.setattr(cli.LLM, "from_pretrained", lambda *args, **kwargs: llm)
+    monkeypatch.setattr(cli, "print_stream", lambda *args: seen.append(args))
+    cli.main(["--hf-checkpoint", str(llama_dir), "--prompt", "", "--temperature", "0"])
+    (_, prompts, sampling), = seen
+    assert prompts == [""] and sampling.temperature == 0.0
+
+
 # ---------------------------------------------------------------------- gpt-jax chat
 
 # Makes the pseudo-terminal the controlling terminal of the command (a new session), so
@@ -224,7 +246,8 @@ def test_gpt_jax_chat_in_a_terminal(llama_dir, auto):
         assert n2 > n and reused >= 16 and reused + prefilled == n2  # turn 1's pages
         term.type("/reset\n")
         term.expect(r"\(conversation cleared\)")
-        term.type("/set max_new_tokens 2000\n/set min_tokens 2000\n")  # no end in sight
+        # no end in sight: past the context too (a reply stops at it by default)
+        term.type("/set context_overflow crop\n/set max_new_tokens 2000\n/set min_tokens 2000\n")
         # the prompt first: typed ahead of it, "Bonjour!" is echoed before "> " is printed,
         # that ">" passed for the reply's first character and Ctrl-C went to input() instead
         # (a CI run: the typed line discarded, no reply, no summary)
@@ -375,7 +398,8 @@ class ScriptedLLM:
         self.tokenizer = None
         self.chat_template = SimpleNamespace(
             encode=lambda tokenizer, messages: [0] * sum(len(m["content"]) for m in messages))
-        self.pieces, self.now, self.prompts = pieces, now, []
+        self.pieces, self.now, self.prompts, self.samplings = pieces, now, [], []
+        self.tokens = 1  # of each reply: n >= 1 tokens, "stop"; None: max_new_tokens, "length"
         self._engine = SimpleNamespace(page_size=16, stats=lambda: {
             "prefix_cache_hits": 0, "prefilled_tokens": 0})
 
@@ -386,9 +410,12 @@ class ScriptedLLM:
         from inference.llm import Delta, TextCompletion
 
         self.prompts.append(conversations[0])
+        self.samplings.append(sampling)
+        n = sampling.max_new_tokens if self.tokens is None else self.tokens
         for k, (text, seconds) in enumerate(self.pieces):
             self.now[0] += seconds
-            done = TextCompletion("", [1], "stop", 0) if k == len(self.pieces) - 1 else None
+            done = TextCompletion("", [1] * n, "length" if self.tokens is None else "stop",
+                                  0) if k == len(self.pieces) - 1 else None
             yield Delta(0, text, done)
 
 
@@ -413,6 +440,7 @@ def test_chat_drops_the_oldest_exchanges_past_the_context_and_says_so(capsys):
                               "system message stays)\n")
     assert [m["content"] for m in llm.prompts[-1]] == ["sys", "b" * 5, "0123456789", "c" * 12]
     err = io.StringIO()
+    chat.sampling = SamplingParams(context_overflow="crop")
     chat.reply("d" * 45, io.StringIO(), err)  # alone past it: every exchange goes, cropped
     assert err.getvalue().splitlines() == [
         "gpt-jax chat: the conversation outgrew the context (85 tokens > max_seq_len 40): "
@@ -420,12 +448,50 @@ def test_chat_drops_the_oldest_exchanges_past_the_context_and_says_so(capsys):
         "gpt-jax chat: this message makes a prompt of 48 tokens, past max_seq_len 40: its "
         "first 8 tokens are cropped"]
     assert [m["content"] for m in llm.prompts[-1]] == ["sys", "d" * 45]
-    chat, err = Chat(llm, SamplingParams(context_overflow="error")), io.StringIO()
-    for message in ("a" * 20, "b" * 45):  # no system message: none said to stay; too long
-        chat.reply(message, io.StringIO(), err)  # alone under "error" (the engine refuses
-    assert err.getvalue() == (  # it; not this stand-in): no cropping said
-        "gpt-jax chat: the conversation outgrew the context (75 tokens > max_seq_len 40): "
+    chat, err = Chat(llm, SamplingParams()), io.StringIO()  # None: the chat's "error"
+    for message in ("a" * 20, "b" * 15):  # no system message: none said to stay
+        chat.reply(message, io.StringIO(), err)
+    assert err.getvalue() == (
+        "gpt-jax chat: the conversation outgrew the context (45 tokens > max_seq_len 40): "
         "dropped the oldest 1 exchange (30 tokens)\n")
+
+
+def test_chat_stops_a_reply_at_the_context_and_refuses_a_message_past_it():
+    """Fault: `gpt-jax chat` ran under "crop" (the sampling flags' default), so a reply
+    went on past the model's context, each token predicted from a window, and said nothing.
+    Now, as vLLM's server and llama.cpp's (no context shift) do, a reply gets at most the
+    tokens the context leaves and its line says it stopped there ("length"); a message
+    that alone leaves no room is refused naming both lengths, the conversation kept.
+    `--context-overflow crop` keeps the window, and its line says so."""
+    import io
+
+    from inference.chat_cli import Chat, ContextFull, parse_args
+    from inference.sampling_flags import sampling_from_args
+
+    assert sampling_from_args(parse_args(["--run-dir", "r"])).context_overflow == "error"
+    llm = ScriptedLLM(40, [("x", 0.0), ("", 0.0)], [0.0])
+    llm.tokens = None  # each reply: all of max_new_tokens, "length"
+    chat = Chat(llm, SamplingParams(max_new_tokens=100, min_tokens=50,
+                                    context_overflow="error"), system="sys")
+    summary = chat.reply("a" * 10, io.StringIO(), io.StringIO())  # 3 + 10: 27 tokens left
+    sent = llm.samplings[-1]
+    assert (sent.max_new_tokens, sent.min_tokens, sent.context_overflow) == (27, 27, "error")
+    assert re.search(r"; 27 tokens in [\d.]+ s; length: the context \(max_seq_len 40\) is "
+                     r"full\]$", summary), summary
+    turns = list(chat.turns)
+    with pytest.raises(ContextFull) as caught:
+        chat.reply("b" * 37, io.StringIO(), io.StringIO())  # 3 + 37 = 40: no room
+    assert str(caught.value) == (
+        "this message makes a prompt of 40 tokens with the system message, and the model's "
+        "context is 40 tokens (max_seq_len): no room for a reply, so it was not sent; "
+        "shorten it (or /set context_overflow crop to keep its last 40 tokens)")
+    assert chat.turns == turns and len(llm.samplings) == 1
+    chat.sampling = SamplingParams(max_new_tokens=30, context_overflow="crop")
+    chat.turns = []
+    summary = chat.reply("c" * 10, io.StringIO(), io.StringIO())  # 13 + 30 > 40
+    assert llm.samplings[-1] == chat.sampling
+    assert re.search(r"; 30 tokens in [\d.]+ s; length: past max_seq_len 40, each token "
+                     r"was predicted from the last 40\]$", summary), summary
 
 
 def test_chat_times_its_first_non_empty_text(monkeypatch):

@@ -323,17 +323,29 @@ def test_generate_rejects_an_out_of_range_flag_before_loading(monkeypatch):
         cli.main(["--top-q", "0.5"])  # unknown option: argparse exits
 
 
-def test_an_empty_prompt_is_refused_in_flags_before_loading(monkeypatch):
-    """Fault: `--prompt ""` was refused with advice to pass generate's bos_token_id, which the
-    CLI has no flag for."""
-    monkeypatch.setattr(cli.LLM, "from_checkpoint",
-                        lambda run_dir, dtype, quantize, draft: pytest.fail("loaded"))
-    for argv in (["--prompt", ""], ["--prompt", "To be", "--prompt", ""]):
+def test_an_empty_prompt_without_a_bos_is_refused_in_flags_and_by_llm(monkeypatch, llm):
+    """Faults: `--prompt ""` was refused with advice to pass generate's bos_token_id, which
+    the CLI has no flag for; then it was refused before loading, also for a tokenizer that
+    adds BOS, where vLLM takes "" as [BOS] (test_chat_llama). Now it is refused after
+    loading when the tokenizer adds none; `LLM.generate([""])` says the same, in its
+    words, before any engine is made."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(cli.LLM, "from_checkpoint", lambda run_dir, dtype, quantize, draft:
+                        SimpleNamespace(tokenizer=PIECES))
+    for argv in (["--prompt", ""], ["--prompt", PROMPT, "--prompt", ""]):
         with pytest.raises(SystemExit) as exit_:
             cli.main(argv)
         assert exit_.value.code == (
-            "gpt-jax generate: --prompt is empty; give a non-empty --prompt (the text the model "
-            "continues), or no --prompt to start from a newline")
+            "gpt-jax generate: --prompt is empty and the model's tokenizer adds no BOS; give a "
+            "non-empty --prompt (the text the model continues), or no --prompt to start from "
+            "a newline")
+    engines = dict(llm._engines)
+    with pytest.raises(ValueError) as caught:
+        llm.generate([PROMPT, ""], GREEDY, progress=False)
+    assert str(caught.value) == ("prompt 1 is empty: the text '' encodes to no tokens (this "
+                                 "tokenizer adds no BOS); a prompt needs at least one token")
+    assert llm._engines == engines
 
 
 def test_an_eos_ending_keeps_the_eos_token_but_not_its_text(config, params, monkeypatch,

@@ -294,7 +294,7 @@ def test_g20_every_option_changes_the_draws(dtype, option, on, seen, counts, cha
 
 
 @pytest.mark.parametrize("field, value, allowed", [
-    ("temperature", -0.1, r"\[0, inf\)"), ("temperature", float("nan"), r"\[0, inf\)"),
+    ("temperature", -0.1, r"\[0, inf\)"), ("temperature", float("inf"), r"\[0, inf\)"),
     ("top_p", 1.01, r"\[0, 1\]"), ("min_p", -0.1, r"\[0, 1\]"),
     ("repetition_penalty", 0.0, r"\(0, inf\)"), ("presence_penalty", 2.5, r"\[-2, 2\]"),
     ("frequency_penalty", -3.0, r"\[-2, 2\]"), ("seed", -1, r"None or \[0, 2\*\*32 - 1\]"),
@@ -311,6 +311,39 @@ def test_g20_every_option_changes_the_draws(dtype, option, on, seen, counts, cha
 def test_out_of_range_values_are_rejected_naming_field_value_and_range(field, value, allowed):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=.* is out of range; allowed: {allowed}"):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty",
+                                   "presence_penalty", "frequency_penalty"])
+def test_a_float_field_says_what_is_wrong_with_a_value_that_is_no_finite_number(field):
+    """Fault: `temperature="hot"` was "out of range" (it is no number at all), NaN was "out
+    of range" too, and an int past float's range raised OverflowError from math.isfinite.
+    Now: not a number (code invalid_type, as OpenAI's API answers a string), NaN, or out of
+    range; each naming the field, the value and what is allowed."""
+    import re
+
+    from inference.errors import RequestError
+    from inference.sampling_params import RANGES
+
+    allowed = re.escape(RANGES[field].allowed)
+    for value, problem, code in [
+            ("hot", "is not a number; allowed: numbers in ", "invalid_type"),
+            ("0.5", "is not a number; allowed: numbers in ", "invalid_type"),
+            (True, "is not a number; allowed: numbers in ", "invalid_type"),
+            (None, "is not a number; allowed: numbers in ", "invalid_type"),
+            (float("nan"), r"is NaN \(not a number\); allowed: ", "invalid_value"),
+            (float("inf"), "is out of range; allowed: ", "invalid_value"),
+            (-float("inf"), "is out of range; allowed: ", "invalid_value"),
+            (10**400, "is out of range; allowed: ", "invalid_value")]:
+        with pytest.raises(RequestError) as caught:
+            SamplingParams(**{field: value})
+        assert re.fullmatch(rf"SamplingParams\.{field}={re.escape(repr(value))} {problem}"
+                            rf"{allowed}", str(caught.value)), str(caught.value)
+        assert caught.value.code == code
+    for bias, problem in [("x", "is not a number"), (float("nan"), r"is NaN \(not a number\)")]:
+        with pytest.raises(RequestError, match=rf"^SamplingParams\.logit_bias\[3\]="
+                                               rf"{re.escape(repr(bias))} {problem}; allowed: "):
+            SamplingParams(logit_bias={3: bias})
 
 
 @pytest.mark.parametrize("field, value", [("top_k", 1.5), ("max_new_tokens", 3.5), ("n", True),
@@ -333,7 +366,8 @@ def test_logit_bias_is_stored_as_sorted_pairs_and_checked_per_entry():
         ({5: 100.5}, r"SamplingParams\.logit_bias\[5\]=100.5 is out of range; allowed: "
                      r"\[-100, 100\]"),
         ({5: float("inf")}, r"SamplingParams\.logit_bias\[5\]=inf is out of range"),
-        ({5: True}, r"SamplingParams\.logit_bias\[5\]=True is out of range"),
+        ({5: True}, r"SamplingParams\.logit_bias\[5\]=True is not a number; allowed: "
+                    r"numbers in \[-100, 100\]"),
         ({"5": 1.0}, r"SamplingParams\.logit_bias='5' is not an integer"),
         ([(5, 1.0), (5, -2.0)], r"SamplingParams\.logit_bias gives token id 5 twice"),
         ([(5,)], r"SamplingParams\.logit_bias entry \(5,\) is not a \(token id, bias\) pair"),

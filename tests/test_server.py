@@ -225,6 +225,32 @@ def test_a_bad_field_is_a_400_naming_it_and_what_is_allowed(url, field, value, a
         assert f"{field}=" in error["message"]
 
 
+@pytest.mark.parametrize("field, sent, said", [
+    ("temperature", '"hot"', 'temperature="hot" is not a number; allowed: numbers in [0, 2]'),
+    ("temperature", "NaN", "temperature=NaN is not a finite number; allowed: [0, 2]"),
+    ("top_p", "Infinity", "top_p=Infinity is not a finite number; allowed: [0, 1]"),
+    ("min_p", "true", "min_p=true is not a number; allowed: numbers in [0, 1]"),
+    ("repetition_penalty", "NaN",
+     "repetition_penalty=NaN is not a finite number; allowed: (0, inf)"),
+    ("presence_penalty", "-Infinity",
+     "presence_penalty=-Infinity is not a finite number; allowed: [-2, 2]"),
+    ("frequency_penalty", '"0.5"',
+     'frequency_penalty="0.5" is not a number; allowed: numbers in [-2, 2]'),
+])
+def test_a_float_field_that_is_no_finite_number_is_a_400_naming_value_and_range(url, field,
+                                                                                 sent, said):
+    """Fault: `"temperature": "hot"` was "invalid: Input should be a valid number" (nothing
+    allowed said), and NaN (which Python's json writes) got pydantic's "greater than or
+    equal to 0". Sent as raw text: httpx refuses to write NaN."""
+    r = httpx.post(f"{url}/v1/completions", content=f'{{"prompt": "AB", "{field}": {sent}}}',
+                   headers={"Authorization": f"Bearer {KEY}",
+                            "Content-Type": "application/json"})
+    assert r.status_code == 400
+    error = error_of(r)
+    assert (error["param"], error["message"]) == (field, said)
+    assert error["code"] == ("invalid_type" if "not a number" in said else None)
+
+
 def test_request_errors_have_openai_shape(url, config):
     auth = {"Authorization": f"Bearer {KEY}"}
     post = lambda body, **kw: httpx.post(f"{url}/v1/completions", json=body,  # noqa: E731
@@ -246,8 +272,12 @@ def test_request_errors_have_openai_shape(url, config):
     assert bad_json.status_code == 400 and "JSON" in error_of(bad_json)["message"]
     not_object = post([1, 2])
     assert not_object.status_code == 400 and "JSON object" in error_of(not_object)["message"]
-    empty = post({"prompt": ["AB", ""]})
-    assert empty.status_code == 400 and "empty" in error_of(empty)["message"]
+    empty = post({"prompt": ["AB", ""]})  # no BOS to start it from: test_chat_llama has one
+    assert empty.status_code == 400 and error_of(empty)["message"] == (
+        "prompt 1 is empty: the text '' encodes to no tokens (this tokenizer adds no BOS); a "
+        "prompt needs at least one token")
+    assert error_of(post({"prompt": [[1], []]}))["message"] == (
+        "prompt 1 is empty; a prompt needs at least one token")
     huge = httpx.post(f"{url}/v1/completions", headers=auth,
                       content=b'{"prompt": "' + b"A" * (9 << 20) + b'"}')
     assert huge.status_code == 413 and error_of(huge)["code"] == "request_too_large"
