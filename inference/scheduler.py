@@ -339,9 +339,7 @@ class Scheduler:
         budget (`gpt_jax.ragged.QUERY_BLOCK`). A short prompt (its whole target within one
         chunk) goes in whole past the budget while the call's blocks stay within
         `max_prefill_tokens`, as a prefill call would take it: its first token one call
-        after it is admitted; one of at most two chunks takes a whole chunk a call there
-        (its first token two calls after); a longer one keeps the budget (the stall bound:
-        a long prompt's chunks beside running requests)."""
+        after it is admitted; a long one keeps the budget (the stall bound)."""
         seqs = [s for s in self.active if s.status == Status.PREFILLING]
         queued = (sum(len(s.target) - s.prefilled for s in seqs[1:])
                   + sum(min(s.length, self.max_seq_len) for s in self.waiting))
@@ -349,10 +347,9 @@ class Scheduler:
         room, work = self.max_prefill_tokens, []  # room: the call's cap, in whole blocks
         for seq in seqs:
             rest = len(seq.target) - seq.prefilled
-            n = min(rest, self.prefill_chunk_tokens)
-            if not (len(seq.target) <= 2 * self.prefill_chunk_tokens
-                    and bucket_up(n, MIN_PROMPT_BUCKET) <= room):
-                n = min(n, budget)
+            short = (len(seq.target) <= self.prefill_chunk_tokens
+                     and bucket_up(rest, MIN_PROMPT_BUCKET) <= room)
+            n = rest if short else min(rest, self.prefill_chunk_tokens, budget)
             if n > 0:
                 work.append(PrefillWork(seq, seq.prefilled, n))
                 budget -= bucket_up(n, MIN_PROMPT_BUCKET)

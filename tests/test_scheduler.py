@@ -207,11 +207,10 @@ def test_a_lone_long_prompt_goes_in_at_the_share_and_a_queue_behind_it_raises_th
 def test_a_short_prompt_goes_in_whole_beside_decoding_sequences():
     """Mixed steps beside 4 to 8 decoding sequences (chunk 8: a share of 16), 32-token
     chunks, a 64-token cap: a lone 30-token prompt goes in whole in one call (not 16 + 14);
-    a lone 40-token one (two chunks) a chunk a call, 32 + 8 (its first token two calls
-    after, not three); a lone 80-token one is long: 16 a call (the stall bound). A
-    40-token one then two short ones (30, 20) arriving together: the first takes its
+    a lone 40-token one is long: 16 a call. A long one then two short ones (30, 20)
+    arriving together: the queue raises the budget to the cap, the long one takes its
     32-token chunk and the first short one the 32 left, whole; the second, over the cap,
-    goes in whole next, beside the first one's last 8."""
+    goes in whole next, beside the long one's last 8."""
     s = scheduler(max_slots=12, num_pages=256, max_prefill_tokens=64, prefill_chunk_tokens=32)
     for i in range(4):
         s.add(sequence(str(i), range(8), arrival=i, max_new_tokens=200))
@@ -228,10 +227,8 @@ def test_a_short_prompt_goes_in_whole_beside_decoding_sequences():
 
     s.add(sequence("short", range(30), arrival=4, max_new_tokens=1))
     assert chunks(1) == [[("short", 0, 30)]]
-    s.add(sequence("two", range(40), arrival=5, max_new_tokens=1))
-    assert chunks(2) == [[("two", 0, 32)], [("two", 32, 8)]]
-    s.add(sequence("long", range(80), arrival=5, max_new_tokens=1))
-    assert chunks(5) == [[("long", i, 16)] for i in range(0, 80, 16)]
+    s.add(sequence("long", range(40), arrival=5, max_new_tokens=1))
+    assert chunks(3) == [[("long", 0, 16)], [("long", 16, 16)], [("long", 32, 8)]]
     for name, n in [("long2", 40), ("a", 30), ("b", 20)]:
         s.add(sequence(name, range(n), arrival=6, max_new_tokens=1))
     assert chunks(2) == [[("long2", 0, 32), ("a", 0, 30)], [("long2", 32, 8), ("b", 0, 20)]]
