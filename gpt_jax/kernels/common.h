@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -26,8 +25,7 @@ namespace gpt_jax_kernels {
 
 // Run fn(0..n-1) on the calling thread and the pool. Items are claimed from a shared
 // counter, so the caller never waits for a task that has not started: it waits only for
-// items other threads have claimed (tasks that start late find nothing left and return),
-// spinning a bounded time (kSpinNanoseconds) before it sleeps.
+// items other threads have claimed (tasks that start late find nothing left and return).
 struct Work {
   std::atomic<int64_t> next{0}, finished{0};
   int64_t total = 0;
@@ -46,17 +44,6 @@ struct Work {
   }
 };
 
-// How long the caller spins on the helpers' last items before it sleeps on the condition
-// variable. A helper's item is one task of a kernel (at most ~1 MB read, ~50 us), so the
-// wait is usually shorter than a sleep and a wake-up through the scheduler.
-constexpr int64_t kSpinNanoseconds = 50'000;
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n,
                          std::function<void(int64_t)> fn) {
   auto work = std::make_shared<Work>();
@@ -65,10 +52,6 @@ inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n,
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->drain(); });
   work->drain();
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::nanoseconds(kSpinNanoseconds);
-  while (work->finished.load() != n && std::chrono::steady_clock::now() < deadline)
-    for (int i = 0; i < 32; ++i) cpu_relax();
   std::unique_lock<std::mutex> lock(work->mutex);
   work->all_done.wait(lock, [&] { return work->finished.load() == n; });
   work->fn = nullptr;  // late tasks keep `work` alive, never the caller's frame
