@@ -8,16 +8,14 @@ Usage (also `gpt-jax bench kernel_ab [flags]`; writes benchmarks/results/kernel_
 
 Random weights of the preset's shape in the decode layout (float32, or `--quantize`d),
 `--steps` greedy decode steps of every row at `--live` cached tokens in one scanned program
-(`speed.decode_runner`: the cache carried, as the generation loop runs it). Three programs:
+(`speed.decode_runner`: the cache carried, as the generation loop runs it). Two programs:
   base    the few-rows, int8 and paged-attention kernels built from `--base`'s sources
-          (registered under their target names + "_base"), the gated MLP as two calls;
-  split   this checkout's kernels, the gated MLP as two calls (gate/up, then down);
-  fused   this checkout's kernels as traced by default (the gated MLP in one call where
-          a kernel runs a decode step's products: `gpt_jax.layers.OutputMajor.gated_mlp`,
-          `Int8Weight.gated_mlp`).
-Each round runs each program once, the order rotated; the medians of wall and process CPU
-milliseconds per step (all threads), the medians of the rounds' wall ratios to base,
-whether the greedy tokens agree and the load average are printed and written.
+          (registered under their target names + "_base");
+  this    this checkout's kernels.
+Each round runs each program once, the order alternated; the medians of wall and process
+CPU milliseconds per step (all threads), the median of the rounds' wall ratios (this over
+base), whether the greedy tokens agree and the load average are printed and written. (At
+8c7a90d it also traced a third program, the gated MLP in one kernel call.)
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed import RESULTS, decode_runner, machine, preset  # noqa: E402
 
-from gpt_jax import init_params, layers  # noqa: E402
+from gpt_jax import init_params  # noqa: E402
 from gpt_jax.kernels import builder  # noqa: E402
 from gpt_jax.kernels import few_rows_matmul, int8_matmul, paged_attention  # noqa: E402
 from gpt_jax.params import QUANTIZE, decode_layout, quantize  # noqa: E402
@@ -47,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The kernels a decode step calls, and the handler symbol of each one's main target.
 KERNELS = {few_rows_matmul: "GptJaxFewRowsMatmul", int8_matmul: "GptJaxInt8Matmul",
            paged_attention: "GptJaxPagedDecodeAttention"}
-NAMES = ("base", "split", "fused")
+NAMES = ("base", "this")
 
 
 def register_base(revision: str, directory: Path) -> dict:
@@ -75,20 +73,14 @@ def traced_as(name: str, base_targets: dict):
     """Within this context, programs traced call the kernels of `name` (see the module
     docstring)."""
     targets = {module: module.TARGET for module in KERNELS}
-    fused = {cls: cls.__dict__["gated_mlp"] for cls in (layers.OutputMajor, layers.Int8Weight)}
     try:
         if name == "base":
             for module, target in base_targets.items():
                 module.TARGET = target
-        if name != "fused":
-            for cls in fused:
-                cls.gated_mlp = classmethod(layers.Weight.gated_mlp.__func__)
         yield
     finally:
         for module, target in targets.items():
             module.TARGET = target
-        for cls, method in fused.items():
-            cls.gated_mlp = method
 
 
 def main(argv=None) -> None:
@@ -120,7 +112,7 @@ def main(argv=None) -> None:
     load_start = [round(a, 1) for a in os.getloadavg()]
     wall, cpu = {n: [] for n in NAMES}, {n: [] for n in NAMES}
     for r in range(args.rounds):
-        for name in NAMES[r % 3:] + NAMES[:r % 3]:
+        for name in NAMES[r % 2:] + NAMES[:r % 2]:
             tick, cpu_tick = time.perf_counter(), time.process_time()
             jax.block_until_ready(runs[name]())
             wall[name].append(1e3 * (time.perf_counter() - tick) / args.steps)

@@ -136,15 +136,6 @@ class Weight:
                  for w, b_O in zip(ws, bs_O)])[None]
         return jnp.split(out_MO, np.cumsum([w.out_size for w in ws[:-1]]), axis=-1)
 
-    @classmethod
-    def gated_mlp(cls, x_MI: jax.Array, ws: list, bs_O: list) -> jax.Array:
-        """Llama's gated MLP of `x_MI` `[M, D]` by `ws` = (w_gate, w_in, w_out) with their
-        biases `bs_O` (None: no bias): `swiglu(x @ w_gate + b, x @ w_in + b) @ w_out + b`,
-        `[M, D]`; the gate and up products run as this layout runs two products of one
-        input (`linears`)."""
-        gate_MF, up_MF = cls.linears(x_MI, ws[:2], bs_O[:2], concatenate=False)
-        return add_bias(ws[2].matmul(swiglu(gate_MF, up_MF)), bs_O[2])
-
 
 @struct.dataclass
 class InputMajor(Weight):
@@ -217,23 +208,6 @@ class OutputMajor(Weight):
 
         outs = kernels.dispatch(True, kernel, xla, x_MI, *ws_OI)
         return [add_bias(out_MO, b_O) for out_MO, b_O in zip(outs, bs_O)]
-
-    @classmethod
-    def gated_mlp(cls, x_MI, ws, bs_O):
-        """`Weight.gated_mlp`; where the few-rows kernel takes the products (all three
-        weights `OutputMajor` and no biases, as Llama's: `few_rows_kernel.use_kernel`), ONE
-        kernel call for the three products and the SiLU between them
-        (`few_rows_kernel.few_rows_gated_mlp`): a decode step's MLP in one call a layer."""
-        ws_OI = [w.w_OI for w in ws if isinstance(w, OutputMajor)]
-        if (len(ws_OI) < len(ws) or any(b_O is not None for b_O in bs_O)
-                or not few_rows_kernel.use_kernel(x_MI, ws_OI)):
-            return super().gated_mlp(x_MI, ws, bs_O)
-
-        def xla(x_MI, w_gate_FD, w_in_FD, w_out_DF):
-            gate_MF, up_MF = (OutputMajor(w).matmul_xla(x_MI) for w in (w_gate_FD, w_in_FD))
-            return OutputMajor(w_out_DF).matmul_xla(swiglu(gate_MF, up_MF))
-
-        return kernels.dispatch(True, few_rows_kernel.few_rows_gated_mlp, xla, x_MI, *ws_OI)
 
     def matmul_xla(self, x_MI: jax.Array, preferred_element_type=None) -> jax.Array:
         """`matmul` as XLA computes it."""
@@ -319,26 +293,6 @@ class Int8Weight(Weight):
         panels of all the weights: concatenated without a copy, whatever `concatenate`."""
         return [add_bias(out_MO, b_O) for out_MO, b_O in zip(int8_matmuls(x_MI, ws), bs_O)]
 
-    @classmethod
-    def gated_mlp(cls, x_MI, ws, bs_O):
-        """`Weight.gated_mlp`; for a few rows (`few_rows_kernel.few_rows`: a decode step or
-        a verification) by three `Int8Weight`s without biases, as Llama's, ONE kernel call
-        on CPU for the three products and the SiLU between them
-        (`int8_kernel.int8_gated_mlp`)."""
-        if (not all(isinstance(w, Int8Weight) for w in ws) or any(b is not None for b in bs_O)
-                or not few_rows_kernel.few_rows(x_MI) or not int8_kernel.use_kernel()):
-            return super().gated_mlp(x_MI, ws, bs_O)
-
-        def xla(x_MI, *weights):
-            gate_MF, up_MF = _int8_matmuls_xla(x_MI, *weights[:4])
-            return _int8_matmuls_xla(swiglu(gate_MF, up_MF), *weights[4:])[0]
-
-        def kernel(x_MI, *weights):
-            return int8_kernel.int8_gated_mlp(x_MI, list(zip(weights[::2], weights[1::2])))
-
-        args = (x_MI.astype(jnp.float32), *(a for w in ws for a in (w.values, w.scale_O)))
-        return kernels.dispatch(True, kernel, xla, *args)
-
 
 def int8_matmul(x_MI: jax.Array, w: Int8Weight) -> jax.Array:
     """`x @ w^T` for an `Int8Weight` `w` `[O, I]`: float32 `[M, I]` -> float32 `[M, O]`, each
@@ -361,18 +315,15 @@ def int8_matmuls(x_MI: jax.Array, ws: list[Int8Weight]) -> list[jax.Array]:
     """`[int8_matmul(x_MI, w) for w in ws]`, on CPU as one kernel call (see `int8_matmul`)."""
     x_MI = x_MI.astype(jnp.float32)
 
+    def xla(x_MI, *weights):  # the scale after the sum, as the kernel applies it
+        return [(x_MI @ Int8Weight(values, scale_O).values_OI().astype(jnp.float32).T)
+                * scale_O[None] for values, scale_O in zip(weights[::2], weights[1::2])]
+
     def kernel(x_MI, *weights):
         return int8_kernel.int8_matmuls(x_MI, list(zip(weights[::2], weights[1::2])))
 
     args = (x_MI, *(a for w in ws for a in (w.values, w.scale_O)))
-    return kernels.dispatch(int8_kernel.use_kernel(), kernel, _int8_matmuls_xla, *args)
-
-
-def _int8_matmuls_xla(x_MI: jax.Array, *weights: jax.Array) -> list[jax.Array]:
-    """`int8_matmuls` as XLA computes it, for `weights` the (values, scale_O) of each
-    weight in turn: widened to float32, the scale after the sum, as the kernel applies it."""
-    return [(x_MI @ Int8Weight(values, scale_O).values_OI().astype(jnp.float32).T)
-            * scale_O[None] for values, scale_O in zip(weights[::2], weights[1::2])]
+    return kernels.dispatch(int8_kernel.use_kernel(), kernel, xla, *args)
 
 
 def as_weight(w, in_axes: int = 1) -> Weight:
@@ -408,21 +359,17 @@ def embed(table_VD, ids: jax.Array) -> jax.Array:
     return as_weight(table_VD, in_axes=-1).rows(ids)
 
 
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """SwiGLU's hidden activation (Shazeer 2020, "GLU Variants Improve Transformer"):
-    `silu(gate) * up`, elementwise."""
-    return jax.nn.silu(gate) * up
-
-
 def mlp(p: dict, x_TD: jax.Array, config: GPTConfig) -> jax.Array:
     """The config's MLP (`config.mlp`), D -> F -> D. "gelu": GPT-2's, GELU (tanh
-    approximation) of `w_in`. "gated_silu": Llama's, `swiglu(x @ w_gate, x @ w_in) @
-    w_out`, run as the weights' layout runs it (`Weight.gated_mlp`)."""
+    approximation) of `w_in`. "gated_silu": Llama's SwiGLU (Shazeer 2020),
+    `silu(x @ w_gate) * (x @ w_in)`, the two products of one input run as the weights'
+    layout runs several (`Weight.linears`)."""
     if config.mlp == "gated_silu":
         lead, x_MI = x_TD.shape[:-1], x_TD.reshape(-1, x_TD.shape[-1])
-        ws = [as_weight(p[name]) for name in ("w_gate", "w_in", "w_out")]
-        bs_O = [p.get(name) for name in ("b_gate", "b_in", "b_out")]
-        out_MD = type(ws[0]).gated_mlp(x_MI, ws, bs_O)
-        return out_MD.reshape(*lead, out_MD.shape[-1])
-    h_TF = jax.nn.gelu(linear(x_TD, p["w_in"], p.get("b_in")), approximate=True)
+        ws = [as_weight(p["w_gate"]), as_weight(p["w_in"])]
+        gate_MF, up_MF = type(ws[0]).linears(x_MI, ws, [p.get("b_gate"), p.get("b_in")],
+                                             concatenate=False)
+        h_TF = (jax.nn.silu(gate_MF) * up_MF).reshape(*lead, -1)
+    else:
+        h_TF = jax.nn.gelu(linear(x_TD, p["w_in"], p.get("b_in")), approximate=True)
     return linear(h_TF, p["w_out"], p.get("b_out"))

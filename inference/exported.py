@@ -40,9 +40,7 @@ PACKAGES = ("gpt_jax", "inference")  # whose source keys every artifact
 # kernels it calls; a deserialized program was not traced here).
 KERNELS = {paged_attention.TARGET: paged_attention.available,
            int8_matmul.TARGET: int8_matmul.available,
-           int8_matmul.GATED_MLP_TARGET: int8_matmul.available,
            few_rows_matmul.TARGET: few_rows_matmul.available,
-           few_rows_matmul.GATED_MLP_TARGET: few_rows_matmul.available,
            causal_attention.FORWARD: causal_attention.available,
            causal_attention.BACKWARD: causal_attention.available}
 # jax.export refuses a custom call unless told the loading process will have it.

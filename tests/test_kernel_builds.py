@@ -25,8 +25,7 @@ BUILDS = {
 # One case of each kernel's equality test per tile path: paged decode attention (grouped-
 # query, float32 and bfloat16), causal attention forward and backward (grouped-query, T off
 # the tiles), int8 matmul (whole tiles with rows and panels left over; a GPT-2 vocabulary),
-# the few-rows matmul (inputs off its vectors; several weights over the thread pool, 1 to 8 rows),
-# the gated MLP in one call (float32 and int8).
+# the few-rows matmul (inputs off its vectors; several weights over the thread pool, 1 to 8 rows).
 TESTS = [
     "tests/test_kernel_paged_attention.py::test_kernel_batch_equals_full_attention_row_by_row"
     "[2-float32-64]",
@@ -40,8 +39,6 @@ TESTS = [
     "[8-96-50257]",
     "tests/test_kernel_few_rows.py::test_kernel_equals_xla_alone_and_vmapped[2-37-29]",
     "tests/test_kernel_few_rows.py::test_several_weights_in_one_call_equal_xla_for_1_to_8_rows",
-    "tests/test_kernel_few_rows.py::test_gated_mlp_in_one_call_equals_its_products_for_1_to_8_rows",
-    "tests/test_quantize.py::test_int8_gated_mlp_in_one_call_equals_its_products_for_1_to_8_rows",
 ]
 
 

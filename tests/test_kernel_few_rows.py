@@ -1,6 +1,6 @@
 """The CPU few-rows float32 matmul kernel (`gpt_jax.kernels.few_rows_matmul`) computes XLA's
 product to float rounding, alone and under vmap, one weight or several per call, on the
-calling thread and over the thread pool, and a gated MLP's three products in one call; a speculative verification and a decode step use
+calling thread and over the thread pool; a speculative verification and a decode step use
 it only where the rows are few (batch times positions up to MAX_ROWS), and greedy decoding
 gives the same tokens with it as without."""
 
@@ -60,44 +60,6 @@ def test_several_weights_in_one_call_equal_xla_for_1_to_8_rows():
                 assert (diff <= 1e-6 * math.sqrt(I) * magnitude).all(), (Os, M)
 
 
-def gated_mlp_reference(x, w_gate, w_up, w_down):
-    """Llama's MLP of `x` `[M, D]` (`w_gate`, `w_up` `[F, D]`, `w_down` `[D, F]`) in float64,
-    and a bound on a float32 computation's error: each product's rounding (as for
-    `few_rows_matmul`: 1e-6 sqrt(inputs) of the sum of magnitudes) carried through the
-    hidden `silu(gate) * up` (|silu'| <= 1.1) and the down product. Returns `(exact,
-    bound)`, `[M, D]` each."""
-    x, gate, up, down = (np.asarray(a, np.float64) for a in (x, w_gate, w_up, w_down))
-    silu = lambda g: g / (1.0 + np.exp(-g))  # noqa: E731
-    g, u = x @ gate.T, x @ up.T
-    h = silu(g) * u
-    eps = 1e-6 * math.sqrt(max(gate.shape))
-    h_error = eps * (1.1 * np.abs(u) * (np.abs(x) @ np.abs(gate).T)
-                     + np.abs(silu(g)) * (np.abs(x) @ np.abs(up).T))
-    return h @ down.T, (h_error + eps * np.abs(h)) @ np.abs(down).T
-
-
-def test_gated_mlp_in_one_call_equals_its_products_for_1_to_8_rows():
-    """`few_rows_gated_mlp` equals Llama's MLP in float64 within float32 rounding carried
-    through it (`gated_mlp_reference`): gate and up over the thread pool (2.4 MB), down over
-    it too (1.2 MB), and all three on the calling thread (a small MLP); alone and vmapped
-    (one call for the rows)."""
-    assert few_rows_kernel.available(), "the CPU few-rows kernel did not build"
-    rng = np.random.default_rng(1)
-    call = jax.jit(few_rows_kernel.few_rows_gated_mlp)
-    vmapped = jax.jit(jax.vmap(few_rows_kernel.few_rows_gated_mlp, in_axes=(0, None, None, None)))
-    for D, F in ((37, 8000), (24, 40)):
-        w_gate, w_up = (rng.normal(size=(F, D)).astype(np.float32) for _ in range(2))
-        w_down = rng.normal(size=(D, F)).astype(np.float32)
-        for M in (1, 3, few_rows_kernel.MAX_ROWS):
-            x = rng.normal(size=(M, D)).astype(np.float32)
-            exact, bound = gated_mlp_reference(x, w_gate, w_up, w_down)
-            for got, what in ((call(x, w_gate, w_up, w_down), "one call"),
-                              (vmapped(x[:, None], w_gate, w_up, w_down)[:, 0], "vmapped")):
-                assert got.shape == (M, D) and got.dtype == jnp.float32
-                diff = np.abs(np.asarray(got, np.float64) - exact)
-                assert (diff <= bound).all(), (D, F, M, what, float((diff / bound).max()))
-
-
 def _greedy_decode(params, config, first_B, n_steps):
     """`n_steps` greedy decode steps from one token per row (an empty cache), through one
     program traced here (the kernel choice is made at tracing): `(tokens [B, n_steps],
@@ -115,18 +77,15 @@ def _greedy_decode(params, config, first_B, n_steps):
 
 
 def test_greedy_decode_with_the_kernel_equals_xla(monkeypatch):
-    """A Llama-style model (q/k/v in one call, the gated MLP in one call, untied output):
-    decode at batch 2 (two rows per call: the kernel), and at batch 1 with the one-row limit
-    lowered (its weights are small: the kernel for every product), give XLA's greedy
-    tokens."""
+    """A Llama-style model (q/k/v and gate/up in one call each, untied output): decode at
+    batch 2 (two rows per call: the kernel), and at batch 1 with the one-row limit lowered
+    (its weights are small: the kernel for every product), give XLA's greedy tokens."""
     config = GPTConfig.preset("tiny-llama")
     params = decode_layout(lively_params(config))
     first_B = jnp.asarray([3, 17], jnp.int32)
     tokens, logits, hlo = _greedy_decode(params, config, first_B, 12)
-    # per layer q/k/v (one call) and o, then the output projection; the MLP in one call
-    assert hlo.count(f'custom_call_target="{few_rows_kernel.TARGET}"') == 2 * config.n_layers + 1
-    mlp_call = f'custom_call_target="{few_rows_kernel.GATED_MLP_TARGET}"'
-    assert hlo.count(mlp_call) == config.n_layers
+    # per layer q/k/v (one call), o, gate/up (one call), down; then the output projection
+    assert hlo.count(f'custom_call_target="{few_rows_kernel.TARGET}"') == 4 * config.n_layers + 1
     _, _, hlo_solo = _greedy_decode(params, config, first_B[:1], 2)
     assert few_rows_kernel.TARGET not in hlo_solo  # one row, weights in cache: XLA's
     monkeypatch.setattr(few_rows_kernel, "MAX_CACHED_FLOATS", 0)
@@ -134,7 +93,7 @@ def test_greedy_decode_with_the_kernel_equals_xla(monkeypatch):
     assert few_rows_kernel.TARGET in hlo_solo
     monkeypatch.setattr(few_rows_kernel, "available", lambda: False)
     xla, xla_logits, hlo_xla = _greedy_decode(params, config, first_B, 12)
-    assert few_rows_kernel.TARGET not in hlo_xla and mlp_call not in hlo_xla
+    assert few_rows_kernel.TARGET not in hlo_xla
     assert_lively(xla[0].tolist(), 4)
     assert (tokens == xla).all() and (solo == xla[:1]).all()
     scale = float(np.abs(xla_logits).max())

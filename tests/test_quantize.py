@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from conftest import assert_close
-from test_kernel_few_rows import gated_mlp_reference
 from gpt_jax import GPTConfig, forward, init_cache, init_params, kernels
 from gpt_jax.kernels import int8_matmul as int8_kernel
 from gpt_jax.layers import Int8Weight, int8_matmul
@@ -150,40 +149,6 @@ def test_decode_reads_int8_weights_through_the_kernel_and_equals_the_xla_path(mo
     run_xla = jax.jit(lambda p, t: forward.__wrapped__(p, t, SMALL))  # traced anew: XLA's path
     full = np.asarray(run_xla(params, jnp.asarray([tokens])), np.float64)[0]
     assert "gpt_jax_int8_matmul" not in run_xla.lower(params, jnp.asarray([tokens])).as_text()
-    assert_close(decoded, full, 1e-5 * np.abs(full).max(), "kernel decode vs XLA forward")
-
-
-def test_int8_gated_mlp_in_one_call_equals_its_products_for_1_to_8_rows():
-    """`int8_gated_mlp` equals Llama's MLP of the dequantized weights in float64 within
-    float32 rounding carried through it (`gated_mlp_reference`), D and F off the panels."""
-    assert int8_kernel.available(), "the CPU int8 kernel did not build"
-    D, F = 37, 300
-    ws = [Int8Weight.quantize(jnp.asarray(_matrix(O, I, seed)))
-          for seed, (O, I) in enumerate([(F, D), (F, D), (D, F)])]
-    call = jax.jit(lambda x, *a: int8_kernel.int8_gated_mlp(x, list(zip(a[::2], a[1::2]))))
-    for M in (1, 3, 8):
-        x = np.random.default_rng(M).normal(size=(M, D)).astype(np.float32)
-        got = call(x, *(a for w in ws for a in (w.values, w.scale_O)))
-        exact, bound = gated_mlp_reference(x, *(w.dequantize() for w in ws))
-        assert got.shape == (M, D) and got.dtype == jnp.float32
-        diff = np.abs(np.asarray(got, np.float64) - exact)
-        assert (diff <= bound).all(), (M, float((diff / bound).max()))
-
-
-def test_a_llama_decode_step_runs_each_int8_mlp_in_one_call(monkeypatch):
-    """A Llama-style model's int8 decode step calls the gated MLP kernel once a layer (its
-    three products and the SiLU between them), q/k/v and o as before, and the untied
-    output projection; its logits equal the full forward pass on XLA's path."""
-    config = GPTConfig.preset("tiny-llama")
-    params = quantize(_random_params(config, std=0.12), "int8")
-    tokens = [5, 9, 1, 30, 22, 7]
-    hlo = []
-    decoded = _decode_logits(params, config, tokens, hlo)
-    assert hlo[0].count(f'custom_call_target="{int8_kernel.GATED_MLP_TARGET}"') == config.n_layers
-    assert hlo[0].count(f'custom_call_target="{int8_kernel.TARGET}"') == 2 * config.n_layers + 1
-    monkeypatch.setattr(int8_kernel, "available", lambda: False)
-    run_xla = jax.jit(lambda p, t: forward.__wrapped__(p, t, config))  # traced anew: XLA's path
-    full = np.asarray(run_xla(params, jnp.asarray([tokens])), np.float64)[0]
     assert_close(decoded, full, 1e-5 * np.abs(full).max(), "kernel decode vs XLA forward")
 
 

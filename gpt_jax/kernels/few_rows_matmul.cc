@@ -22,13 +22,10 @@
 //   x    f32 [..., M, I]
 //   w_k  f32 [..., O_k, I]   leading axes of size 1 (shared by every row, vmap's expand_dims)
 // Results: per weight, y_k f32 [..., M, O_k].
-// A second target, GptJaxFewRowsGatedMlp, runs Llama's gated MLP (three such products and
-// the SiLU between them) in one call: a decode step's MLP in one call a layer.
 //
 // Built by gpt_jax/kernels/builder.py on first use (gpt_jax/kernels/few_rows_matmul.py binds it).
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -149,16 +146,35 @@ void channel_run(const float* x, const Matrix& m, int64_t M, int64_t I, int64_t 
          o1, m.y + r0 * m.O);
 }
 
-// Every row of x [M, I] times every channel of each of `matrices` (all of input I), as runs
-// of channels spread over the pool and the calling thread (or the calling thread alone for
-// at most kSerialBytes of weights).
-void products(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t I,
-              const std::vector<Matrix>& matrices) {
+ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets) {
+  auto x_dims = x.dimensions();
+  if (x_dims.size() < 1) return ffi::Error::InvalidArgument("x must be [..., M, I]");
+  const int64_t I = x_dims[x_dims.size() - 1];
+  const int64_t M = I == 0 ? 0 : x.element_count() / I;
+  if (args.size() != rets.size() || rets.size() == 0)
+    return ffi::Error::InvalidArgument("give one or more weights, one result per weight");
+  std::vector<Matrix> matrices;
   int64_t channels_in_all = 0;
-  for (const Matrix& m : matrices) channels_in_all += m.O;
+  for (size_t k = 0; k < rets.size(); ++k) {
+    auto w = args.get<ffi::Buffer<ffi::F32>>(k);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
+    if (w.has_error()) return w.error();
+    if (y.has_error()) return y.error();
+    auto w_dims = w->dimensions();
+    if (w_dims.size() < 2 || w_dims[w_dims.size() - 1] != I)
+      return ffi::Error::InvalidArgument("each w must be [..., O, I] for x's I");
+    const int64_t O = w_dims[w_dims.size() - 2];
+    if (w->element_count() != O * I)
+      return ffi::Error::InvalidArgument("w must be shared by all rows (leading axes 1)");
+    if ((*y)->element_count() != M * O)
+      return ffi::Error::InvalidArgument("each result must be [..., M, O]");
+    matrices.push_back({w->typed_data(), (*y)->typed_data(), O});
+    channels_in_all += O;
+  }
   if (I == 0) {
-    for (const Matrix& m : matrices) std::fill(m.y, m.y + M * m.O, 0.0f);
-    return;
+    for (auto& m : matrices) std::fill(m.y, m.y + M * m.O, 0.0f);
+    return ffi::Error::Success();
   }
   // Runs of `per_task` channels of one weight (the last run of each may be shorter): about
   // kTasksPerThread per thread over all the weights, within kChunkBytes..kMaxChunkBytes
@@ -172,6 +188,7 @@ void products(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t I,
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (matrix, first channel)
   for (size_t k = 0; k < matrices.size(); ++k)
     for (int64_t o = 0; o < matrices[k].O; o += per_task) tasks.emplace_back(k, o);
+  const float* xs = x.typed_data();
   auto run = [&](int64_t task) {
     const auto [k, o0] = tasks[task];
     const Matrix& m = matrices[k];
@@ -182,73 +199,6 @@ void products(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t I,
   } else {
     parallel_for(pool, tasks.size(), run);
   }
-}
-
-// A weight argument [..., O, I] shared by every row (leading axes 1) and its result
-// [..., M, O] (`y_count` floats at y) as `m`, or an error naming what is wrong.
-ffi::Error matrix(ffi::Buffer<ffi::F32> w, float* y, int64_t y_count, int64_t M, int64_t I,
-                  Matrix& m) {
-  auto w_dims = w.dimensions();
-  if (w_dims.size() < 2 || w_dims[w_dims.size() - 1] != I)
-    return ffi::Error::InvalidArgument("each w must be [..., O, I] for its input's I");
-  const int64_t O = w_dims[w_dims.size() - 2];
-  if (static_cast<int64_t>(w.element_count()) != O * I)
-    return ffi::Error::InvalidArgument("w must be shared by all rows (leading axes 1)");
-  if (y_count != M * O) return ffi::Error::InvalidArgument("each result must be [..., M, O]");
-  m = {w.typed_data(), y, O};
-  return ffi::Error::Success();
-}
-
-// x's inner size I and rows M (the product of its other axes).
-std::pair<int64_t, int64_t> inputs_and_rows(ffi::Buffer<ffi::F32>& x) {
-  auto x_dims = x.dimensions();
-  const int64_t I = x_dims.size() ? x_dims[x_dims.size() - 1] : 0;
-  return {I, I == 0 ? 0 : x.element_count() / I};
-}
-
-ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
-                         ffi::RemainingRets rets) {
-  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument("x must be [..., M, I]");
-  const auto [I, M] = inputs_and_rows(x);
-  if (args.size() != rets.size() || rets.size() == 0)
-    return ffi::Error::InvalidArgument("give one or more weights, one result per weight");
-  std::vector<Matrix> matrices;
-  for (size_t k = 0; k < rets.size(); ++k) {
-    auto w = args.get<ffi::Buffer<ffi::F32>>(k);
-    auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
-    if (w.has_error()) return w.error();
-    if (y.has_error()) return y.error();
-    matrices.emplace_back();
-    auto error = matrix(*w, (*y)->typed_data(), (*y)->element_count(), M, I, matrices.back());
-    if (error.failure()) return error;
-  }
-  products(pool, x.typed_data(), M, I, matrices);
-  return ffi::Error::Success();
-}
-
-// Llama's gated MLP (SwiGLU, Shazeer 2020) of a few rows in one call:
-//   y[..., M, D] = (silu(x w_gate^T) * (x w_up^T)) w_down^T,  silu(g) = g / (1 + exp(-g)),
-// for x f32 [..., M, D], w_gate and w_up f32 [..., F, D], w_down f32 [..., D, F] (leading
-// axes 1, as for FewRowsMatmul): the gate and up products in one parallel loop, the hidden
-// [M, F] on the calling thread, then the down product in a second loop.
-ffi::Error FewRowsGatedMlp(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::F32> w_gate, ffi::Buffer<ffi::F32> w_up,
-                           ffi::Buffer<ffi::F32> w_down, ffi::ResultBuffer<ffi::F32> y) {
-  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument("x must be [..., M, D]");
-  const auto [D, M] = inputs_and_rows(x);
-  auto gate_dims = w_gate.dimensions();
-  const int64_t F = gate_dims.size() < 2 ? 0 : gate_dims[gate_dims.size() - 2];
-  std::vector<float> hidden(3 * M * F);  // gate, up, then silu(gate) * up
-  float *gate = hidden.data(), *up = gate + M * F, *h = up + M * F;
-  std::vector<Matrix> gate_up(2), down(1);
-  for (auto error : {matrix(w_gate, gate, M * F, M, D, gate_up[0]),
-                     matrix(w_up, up, M * F, M, D, gate_up[1]),
-                     matrix(w_down, y->typed_data(), y->element_count(), M, F, down[0])})
-    if (error.failure()) return error;
-  if (down[0].O != D) return ffi::Error::InvalidArgument("w_down must be [..., D, F]");
-  products(pool, x.typed_data(), M, D, gate_up);
-  for (int64_t i = 0; i < M * F; ++i) h[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-  products(pool, h, M, F, down);
   return ffi::Error::Success();
 }
 
@@ -260,12 +210,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GptJaxFewRowsMatmul, FewRowsMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GptJaxFewRowsGatedMlp, FewRowsGatedMlp,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -6,8 +6,7 @@ for the products of a forward traced within `rows_per_call(B)` (the decode step,
 whose weights are read from memory, and a verification's 2 to `MAX_ROWS` rows in all over
 weights that stay in cache. Several weights that multiply the same input (a layer's q, k and
 v, or gate and up) go in one call (`few_rows_matmuls`), whose threads share the channels of
-all of them, and a gated MLP's three products with the SiLU between them in one
-(`few_rows_gated_mlp`); the weights keep their `[O, I]` layout.
+all of them; the weights keep their `[O, I]` layout.
 
 Why: a product of so few rows is bound by reading its weights, or for weights in cache by
 its calls. XLA:CPU (jax 0.10) emits a one-row product (a decode step's at batch 1) inline on
@@ -45,7 +44,6 @@ from gpt_jax.kernels import builder
 
 SOURCE = Path(__file__).with_name("few_rows_matmul.cc")
 TARGET = "gpt_jax_few_rows_matmul"
-GATED_MLP_TARGET = "gpt_jax_few_rows_gated_mlp"
 MAX_ROWS = 8  # rows of a call (sequences times rows per sequence) the kernel is used for
 MAX_CACHED_FLOATS = 1 << 17  # weights this small (512 KB) stay in cache (see use_kernel)
 _SEQUENCES = contextvars.ContextVar("gpt_jax_few_rows_sequences", default=0)
@@ -67,15 +65,8 @@ def available() -> bool:
     """Whether the kernel is built and registered with XLA:CPU (built on the first call).
     False, with a warning naming the cause, when it cannot be built; False without one when
     `GPT_JAX_CPU_KERNEL=0`."""
-    return builder.register(SOURCE, {TARGET: "GptJaxFewRowsMatmul",
-                                     GATED_MLP_TARGET: "GptJaxFewRowsGatedMlp"},
+    return builder.register(SOURCE, {TARGET: "GptJaxFewRowsMatmul"},
                             "CPU few-rows matmul kernel", "XLA's matmul")
-
-
-def few_rows(x_MI: jax.Array) -> bool:
-    """Whether products of `x_MI` traced now have 1 to MAX_ROWS rows in all, within
-    `rows_per_call` (a decode step or a verification of a few rows)."""
-    return 1 <= _SEQUENCES.get() * x_MI.shape[0] <= MAX_ROWS
 
 
 def use_kernel(x_MI: jax.Array, ws_OI: list[jax.Array]) -> bool:
@@ -110,15 +101,3 @@ def few_rows_matmuls(x_MI: jax.Array, ws_OI: list[jax.Array]) -> list[jax.Array]
     shapes = tuple(jax.ShapeDtypeStruct((M, w.shape[0]), jnp.float32) for w in ws_OI)
     call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="expand_dims")
     return list(call(x_MI, *ws_OI))
-
-
-def few_rows_gated_mlp(x_MD: jax.Array, w_gate_FD: jax.Array, w_up_FD: jax.Array,
-                       w_down_DF: jax.Array) -> jax.Array:
-    """Llama's gated MLP in one kernel call: `(silu(x @ w_gate^T) * (x @ w_up^T)) @
-    w_down^T`, float32 `[M, D]` -> `[M, D]`, the weights output-major (`[F, D]`, `[F, D]`,
-    `[D, F]`), no biases. Each product as `few_rows_matmul` computes it; the hidden `[M, F]`
-    stays in the call (one call a layer instead of two, and no XLA fusion between them).
-    Call only where `use_kernel(x_MD, [w_gate_FD, w_up_FD])`; vmapped as `few_rows_matmul`."""
-    call = jax.ffi.ffi_call(GATED_MLP_TARGET, jax.ShapeDtypeStruct(x_MD.shape, jnp.float32),
-                            vmap_method="expand_dims")
-    return call(x_MD, w_gate_FD, w_up_FD, w_down_DF)

@@ -25,13 +25,10 @@
 //                                     vmap's expand_dims passes them)
 //   scale  f32 [..., O]        as w
 // Results: per weight, y f32 [..., M, O].
-// A second target, GptJaxInt8GatedMlp, runs Llama's gated MLP (three such products and the
-// SiLU between them) in one call: a decode step's MLP in one call a layer.
 //
 // Built by gpt_jax/kernels/builder.py on first use (gpt_jax/kernels/int8_matmul.py binds it).
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -220,60 +217,12 @@ struct Matrix {
   int64_t O, n_panels;
 };
 
-// One (w, scale) argument pair shared by every row (leading axes 1), for input x's I, and
-// its result [..., M, O] (`y_count` floats at y), as `m`; or an error naming what is wrong.
-ffi::Error matrix(ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale, float* y,
-                  int64_t y_count, int64_t M, int64_t I, Matrix& m) {
-  auto w_dims = w.dimensions(), s_dims = scale.dimensions();
-  if (w_dims.size() < 3 || s_dims.size() < 1 || w_dims[w_dims.size() - 1] != kPanel)
-    return ffi::Error::InvalidArgument("w must be [..., n_panels, I, 16] and scale [..., O]");
-  const int64_t n_panels = w_dims[w_dims.size() - 3], O = s_dims[s_dims.size() - 1];
-  if (w_dims[w_dims.size() - 2] != I || n_panels != (O + kPanel - 1) / kPanel)
-    return ffi::Error::InvalidArgument("w must be [ceil(O / 16), I, 16] for x's I and scale's O");
-  if (static_cast<int64_t>(w.element_count()) != n_panels * I * kPanel ||
-      static_cast<int64_t>(scale.element_count()) != O)
-    return ffi::Error::InvalidArgument(
-        "w and scale must be shared by all rows (leading axes 1)");
-  if (y_count != M * O) return ffi::Error::InvalidArgument("each result must be [..., M, O]");
-  m = {w.typed_data(), scale.typed_data(), y, O, n_panels};
-  return ffi::Error::Success();
-}
-
-// Every row of x [M, I] times each of `matrices` (all of input I), as runs of panels of
-// one matrix per task, `kTasksPerThread` per thread over all the matrices (one parallel
-// loop for all: the threads never wait between them).
-void products(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t I,
-              const std::vector<Matrix>& matrices) {
-  if (I == 0) {
-    for (auto& m : matrices) std::fill(m.y, m.y + M * m.O, 0.0f);
-    return;
-  }
-  int64_t panels_in_all = 0;
-  for (auto& m : matrices) panels_in_all += m.n_panels;
-  int64_t per_task = std::max<int64_t>(
-      1, panels_in_all / (kTasksPerThread * std::max<int64_t>(1, pool.num_threads())));
-  per_task = (per_task + kTilePanels - 1) / kTilePanels * kTilePanels;
-  std::vector<std::pair<int64_t, int64_t>> tasks;  // (matrix, first panel)
-  for (size_t k = 0; k < matrices.size(); ++k)
-    for (int64_t p = 0; p < matrices[k].n_panels; p += per_task) tasks.emplace_back(k, p);
-  parallel_for(pool, tasks.size(), [&](int64_t task) {
-    const auto [k, p0] = tasks[task];
-    const Matrix& m = matrices[k];
-    panels(xs, m.w, m.scale, M, I, m.O, p0, std::min(m.n_panels, p0 + per_task), m.y);
-  });
-}
-
-// x's inner size I and rows M (the product of its other axes).
-std::pair<int64_t, int64_t> inputs_and_rows(ffi::Buffer<ffi::F32>& x) {
-  auto x_dims = x.dimensions();
-  const int64_t I = x_dims.size() ? x_dims[x_dims.size() - 1] : 0;
-  return {I, I == 0 ? 0 : x.element_count() / I};
-}
-
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                       ffi::RemainingRets rets) {
-  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument("x must be [..., M, I]");
-  const auto [I, M] = inputs_and_rows(x);
+  auto x_dims = x.dimensions();
+  if (x_dims.size() < 1) return ffi::Error::InvalidArgument("x must be [..., M, I]");
+  const int64_t I = x_dims[x_dims.size() - 1];
+  const int64_t M = I == 0 ? 0 : x.element_count() / I;
   if (args.size() != 2 * rets.size() || rets.size() == 0)
     return ffi::Error::InvalidArgument("give (w, scale) pairs, one result per pair");
   std::vector<Matrix> matrices;
@@ -284,40 +233,39 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     if (w.has_error()) return w.error();
     if (scale.has_error()) return scale.error();
     if (y.has_error()) return y.error();
-    matrices.emplace_back();
-    auto error = matrix(*w, *scale, (*y)->typed_data(), (*y)->element_count(), M, I,
-                        matrices.back());
-    if (error.failure()) return error;
+    auto w_dims = w->dimensions(), s_dims = scale->dimensions();
+    if (w_dims.size() < 3 || s_dims.size() < 1 || w_dims[w_dims.size() - 1] != kPanel)
+      return ffi::Error::InvalidArgument("w must be [..., n_panels, I, 16] and scale [..., O]");
+    const int64_t n_panels = w_dims[w_dims.size() - 3], O = s_dims[s_dims.size() - 1];
+    if (w_dims[w_dims.size() - 2] != I || n_panels != (O + kPanel - 1) / kPanel)
+      return ffi::Error::InvalidArgument("w must be [ceil(O / 16), I, 16] for x's I and scale's O");
+    if (w->element_count() != n_panels * I * kPanel || scale->element_count() != O)
+      return ffi::Error::InvalidArgument(
+          "w and scale must be shared by all rows (leading axes 1)");
+    if ((*y)->element_count() != M * O)
+      return ffi::Error::InvalidArgument("each result must be [..., M, O]");
+    matrices.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), O, n_panels});
   }
-  products(pool, x.typed_data(), M, I, matrices);
-  return ffi::Error::Success();
-}
-
-// Llama's gated MLP (SwiGLU, Shazeer 2020) of int8 weights in one call:
-//   y[..., M, D] = (silu(x w_gate^T) * (x w_up^T)) w_down^T,  silu(g) = g / (1 + exp(-g)),
-// each product as Int8Matmul computes it, for x f32 [..., M, D] and the (w, scale) pairs of
-// w_gate and w_up ([F, D]) and w_down ([D, F]): the gate and up products in one parallel
-// loop, the hidden [M, F] on the calling thread, then the down product in a second loop.
-ffi::Error Int8GatedMlp(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::Buffer<ffi::S8> w_gate, ffi::Buffer<ffi::F32> scale_gate,
-                        ffi::Buffer<ffi::S8> w_up, ffi::Buffer<ffi::F32> scale_up,
-                        ffi::Buffer<ffi::S8> w_down, ffi::Buffer<ffi::F32> scale_down,
-                        ffi::ResultBuffer<ffi::F32> y) {
-  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument("x must be [..., M, D]");
-  const auto [D, M] = inputs_and_rows(x);
-  const int64_t F = scale_gate.element_count();
-  std::vector<float> hidden(3 * M * F);  // gate, up, then silu(gate) * up
-  float *gate = hidden.data(), *up = gate + M * F, *h = up + M * F;
-  std::vector<Matrix> gate_up(2), down(1);
-  for (auto error : {matrix(w_gate, scale_gate, gate, M * F, M, D, gate_up[0]),
-                     matrix(w_up, scale_up, up, M * F, M, D, gate_up[1]),
-                     matrix(w_down, scale_down, y->typed_data(), y->element_count(), M, F,
-                            down[0])})
-    if (error.failure()) return error;
-  if (down[0].O != D) return ffi::Error::InvalidArgument("w_down must be [D, F]");
-  products(pool, x.typed_data(), M, D, gate_up);
-  for (int64_t i = 0; i < M * F; ++i) h[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-  products(pool, h, M, F, down);
+  if (I == 0) {
+    for (auto& m : matrices) std::fill(m.y, m.y + M * m.O, 0.0f);
+    return ffi::Error::Success();
+  }
+  // Runs of panels of one matrix per task, `kTasksPerThread` per thread over all the
+  // matrices of the call (one parallel loop for all: the threads never wait between them).
+  int64_t panels_in_all = 0;
+  for (auto& m : matrices) panels_in_all += m.n_panels;
+  int64_t per_task = std::max<int64_t>(
+      1, panels_in_all / (kTasksPerThread * std::max<int64_t>(1, pool.num_threads())));
+  per_task = (per_task + kTilePanels - 1) / kTilePanels * kTilePanels;
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (matrix, first panel)
+  for (size_t k = 0; k < matrices.size(); ++k)
+    for (int64_t p = 0; p < matrices[k].n_panels; p += per_task) tasks.emplace_back(k, p);
+  const float* xs = x.typed_data();
+  parallel_for(pool, tasks.size(), [&](int64_t task) {
+    const auto [k, p0] = tasks[task];
+    const Matrix& m = matrices[k];
+    panels(xs, m.w, m.scale, M, I, m.O, p0, std::min(m.n_panels, p0 + per_task), m.y);
+  });
   return ffi::Error::Success();
 }
 
@@ -329,15 +277,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GptJaxInt8Matmul, Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GptJaxInt8GatedMlp, Int8GatedMlp,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -28,7 +28,6 @@ from gpt_jax.kernels import builder
 
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
 TARGET = "gpt_jax_int8_matmul"
-GATED_MLP_TARGET = "gpt_jax_int8_gated_mlp"
 
 
 @functools.cache
@@ -36,9 +35,8 @@ def available() -> bool:
     """Whether the kernel is built and registered with XLA:CPU (built on the first call).
     False, with a warning naming the cause, when it cannot be built; False without one when
     `GPT_JAX_CPU_KERNEL=0`."""
-    return builder.register(SOURCE, {TARGET: "GptJaxInt8Matmul",
-                                     GATED_MLP_TARGET: "GptJaxInt8GatedMlp"},
-                            "CPU int8 matmul kernel", "XLA's dequantize-then-matmul")
+    return builder.register(SOURCE, {TARGET: "GptJaxInt8Matmul"}, "CPU int8 matmul kernel",
+                            "XLA's dequantize-then-matmul")
 
 
 def use_kernel() -> bool:
@@ -72,16 +70,3 @@ def int8_matmuls(x_MI: jax.Array, weights) -> list[jax.Array]:
     call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="expand_dims")
     operands = [a for values, scale in weights for a in (values, scale.astype(jnp.float32))]
     return list(call(x_MI.astype(jnp.float32), *operands))
-
-
-def int8_gated_mlp(x_MD: jax.Array, weights) -> jax.Array:
-    """Llama's gated MLP of int8 weights in one kernel call: `(silu(x @ w_gate^T) * (x @
-    w_up^T)) @ w_down^T`, float32 `[M, D]` -> `[M, D]`, for `weights` the `(values,
-    scale)` pairs of w_gate and w_up (`[F, D]`) and w_down (`[D, F]`); each product as
-    `int8_matmul` computes it, the hidden `[M, F]` kept in the call. For a few rows (its
-    hidden is computed on one thread). Call only when `available()`; vmapped as
-    `int8_matmul`."""
-    call = jax.ffi.ffi_call(GATED_MLP_TARGET, jax.ShapeDtypeStruct(x_MD.shape, jnp.float32),
-                            vmap_method="expand_dims")
-    operands = [a for values, scale in weights for a in (values, scale.astype(jnp.float32))]
-    return call(x_MD.astype(jnp.float32), *operands)
