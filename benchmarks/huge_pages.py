@@ -9,12 +9,15 @@ Why: a batch-1 decode step reads every weight once, in runs of at most a few MB,
 CPU's hardware prefetchers stop at each 4 KB page boundary (and each page costs a TLB
 miss); XLA:CPU allocates its buffers in 4 KB pages unless told otherwise (Linux's
 transparent huge pages are "madvise" here). Random weights of the preset's shape in the
-decode layout (float32, or `--quantize`d), and a copy of them whose buffers are advised
-into transparent huge pages and collapsed at once (Linux 6.1+ `madvise(MADV_COLLAPSE)`:
-only the 2 MB-aligned part of each buffer can be; the collapsed megabytes are printed).
+decode layout (float32, or `--quantize`d) as XLA allocates them ("4k"), a copy whose
+buffers are advised into transparent huge pages and collapsed at once ("huge": Linux 6.1+
+`madvise(MADV_COLLAPSE)`; only the 2 MB-aligned part of each buffer can be, the collapsed
+megabytes are printed), and a copy packed into ONE 2 MB-aligned region advised into huge
+pages before it is written ("packed": every weight in 2 MB pages; `jax.device_put` of a
+64-byte-aligned numpy view on CPU takes the buffer without copying, checked).
 `--steps` greedy decode steps of each copy in one scanned program (`speed.decode_runner`),
-alternated round by round; the medians of milliseconds per step, the median of the rounds'
-ratios (huge over 4 KB) and the load average are printed and written.
+the order rotated round by round; the medians of milliseconds per step, the medians of the
+rounds' ratios to "4k" and the load average are printed and written.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import mmap
 import os
 import sys
 import time
@@ -55,6 +59,31 @@ def collapse(tree) -> int:
     return done
 
 
+def packed(tree):
+    """`tree` copied into one anonymous mapping advised into huge pages (each array 64-byte
+    aligned, the first at a 2 MB boundary), as arrays that use it in place. Returns
+    `(tree, region bytes in huge pages)`. Raises SystemExit if `jax.device_put` copied."""
+    leaves, treedef = jax.tree.flatten(tree)
+    sizes = [-(-leaf.nbytes // 64) * 64 for leaf in leaves]
+    total = -(-sum(sizes) // HUGE_PAGE) * HUGE_PAGE
+    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    offset = -address % HUGE_PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(address + offset), ctypes.c_size_t(total), MADV_HUGEPAGE)
+    arrays = []
+    for leaf, size in zip(leaves, sizes):
+        view = np.frombuffer(region, leaf.dtype, leaf.size, offset).reshape(leaf.shape)
+        view[...] = np.asarray(leaf)
+        arrays.append(jax.device_put(view))
+        if arrays[-1].unsafe_buffer_pointer() != view.ctypes.data:
+            raise SystemExit("jax.device_put copied the packed weights")
+        offset += size
+    huge = [line for line in Path("/proc/self/smaps_rollup").read_text().splitlines()
+            if line.startswith("AnonHugePages")]
+    return jax.tree.unflatten(treedef, arrays), huge
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="gpt-jax bench huge_pages",
                                      description=__doc__.split("\n")[0])
@@ -73,31 +102,36 @@ def main(argv=None) -> None:
     huge = jax.block_until_ready(jax.tree.map(lambda a: a.copy(), small))
     collapsed = collapse(huge)
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(huge))
+    packed_params, process_huge = packed(small)
+    names = ("4k", "huge", "packed")
     runs = {name: decode_runner(params, config, args.batch, args.capacity, args.live,
-                                args.steps) for name, params in (("4k", small), ("huge", huge))}
+                                args.steps)
+            for name, params in zip(names, (small, huge, packed_params))}
     tokens = {name: np.asarray(run()[0]) for name, run in runs.items()}
     load_start = [round(a, 1) for a in os.getloadavg()]
     times = {name: [] for name in runs}
     for r in range(args.rounds):
-        for name in (("4k", "huge") if r % 2 == 0 else ("huge", "4k")):
+        for name in names[r % 3:] + names[:r % 3]:
             tick = time.perf_counter()
             jax.block_until_ready(runs[name]())
             times[name].append(1e3 * (time.perf_counter() - tick) / args.steps)
     load_end = [round(a, 1) for a in os.getloadavg()]
     medians = {name: float(np.median(t)) for name, t in times.items()}
-    ratio = float(np.median(np.array(times["huge"]) / np.array(times["4k"])))
-    agree = bool((tokens["4k"] == tokens["huge"]).all())
-    print(f"{args.preset} batch {args.batch} {args.quantize or 'float32'}: weights {total / 2**20:.0f} MB, "
-          f"{collapsed / 2**20:.0f} MB collapsed into 2 MB pages; ms per step 4k "
-          f"{medians['4k']:.2f}, huge {medians['huge']:.2f}; paired ratio huge/4k {ratio:.3f}; "
-          f"greedy tokens agree: {agree}")
+    ratios = {name: float(np.median(np.array(times[name]) / np.array(times["4k"])))
+              for name in names[1:]}
+    agree = all((tokens[name] == tokens["4k"]).all() for name in names)
+    print(f"{args.preset} batch {args.batch} {args.quantize or 'float32'}: weights "
+          f"{total / 2**20:.0f} MB, {collapsed / 2**20:.0f} MB of the copy collapsed into 2 MB "
+          f"pages; {process_huge}; ms per step " + ", ".join(
+              f"{n} {medians[n]:.2f}" for n in names) + "; paired ratio to 4k: " + ", ".join(
+              f"{n} {ratios[n]:.3f}" for n in names[1:]) + f"; greedy tokens agree: {agree}")
     print(f"load average {load_start} -> {load_end}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"huge_pages{args.tag}.json").write_text(json.dumps(
         {"machine": machine(), "args": vars(args), "load_start": load_start,
          "load_end": load_end, "weight_bytes": total, "collapsed_bytes": collapsed,
-         "median_ms": medians, "paired_ratio": ratio, "tokens_agree": agree,
-         "ms": times}, indent=1))
+         "process_huge_pages": process_huge, "median_ms": medians,
+         "paired_ratio_to_4k": ratios, "tokens_agree": agree, "ms": times}, indent=1))
 
 
 if __name__ == "__main__":
