@@ -56,6 +56,7 @@ def main(argv=None) -> None:
     parser.add_argument("--capacity", type=int, default=256)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--quantize", choices=QUANTIZE, default=None, help="weights so")
+    parser.add_argument("--tag", default="", help="suffix of the result file's name")
     args = parser.parse_args(argv)
     config = preset(args.preset)
     # Laid out once, as LLM holds them: else every call re-lays the weights (per call, not
@@ -71,20 +72,27 @@ def main(argv=None) -> None:
         (trace_file,) = Path(tmp).rglob("*.trace.json.gz")
         events = json.loads(gzip.decompress(trace_file.read_bytes()))["traceEvents"]
     ops = hlo_ops(run.func.lower(*run.args).compile().as_text())
-    totals = collections.Counter()
+    totals, per_thread, count = collections.Counter(), collections.Counter(), 0
     for e in events:
         name = e.get("name", "")
         if e.get("ph") == "X" and "dur" in e and name in ops and not name.startswith(NESTING):
             totals[ops[name]] += e["dur"] / 1e3 / (2 * steps)  # ms per step, both threads
+            per_thread[e.get("tid")] += e["dur"] / 1e3 / (2 * steps)
+            count += 1
     rows = [{"op": op, "ms_per_step": ms} for op, ms in totals.most_common(args.top)]
+    busiest = max(per_thread.values(), default=0.0)
     print(f"decode step {1e3 * step:.1f} ms (batch {args.batch}, live {args.live}, traced); "
-          f"XLA op time per step, summed over threads, by kind, output shape and source:")
+          f"{count / (2 * steps):.0f} ops a step, {sum(per_thread.values()):.1f} ms of op time "
+          f"over {len(per_thread)} threads, the busiest's {busiest:.1f} ms (the rest of its "
+          f"step between ops); XLA op time per step, summed over threads, by kind, output "
+          f"shape and source:")
     for r in rows:
         print(f"{r['ms_per_step']:8.2f} ms  {r['op']}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = f"profile_decode-{args.quantize}" if args.quantize else "profile_decode"
+    name = "-".join(["profile_decode"] + [a for a in (args.quantize, args.tag) if a])
     (RESULTS / f"{name}.json").write_text(json.dumps(
-        {"machine": machine(), "args": vars(args), "step_ms": 1e3 * step, "top": rows},
+        {"machine": machine(), "args": vars(args), "step_ms": 1e3 * step,
+         "ops_per_step": count / (2 * steps), "busiest_thread_op_ms": busiest, "top": rows},
         indent=1))
 
 
