@@ -35,10 +35,10 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speed import RESULTS, decode_runner, machine, preset  # noqa: E402
+from speed import RESULTS, decode_runner, decode_step_arguments, machine, preset  # noqa: E402
 
 from gpt_jax import init_params  # noqa: E402
-from gpt_jax.params import QUANTIZE, decode_layout, quantize  # noqa: E402
+from gpt_jax.params import decode_layout, quantize  # noqa: E402
 
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <linux/mman.h>
 HUGE_PAGE = 2 << 20
@@ -87,14 +87,7 @@ def packed(tree):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="gpt-jax bench huge_pages",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="smollm2-135m")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--live", type=int, default=128, help="cached tokens per row")
-    parser.add_argument("--capacity", type=int, default=256, help="token slots per row")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps per timing")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--quantize", choices=QUANTIZE, default=None, help="weights so")
-    parser.add_argument("--tag", default="", help="suffix of the result file's name")
+    decode_step_arguments(parser, rounds=15)
     args = parser.parse_args(argv)
     config = preset(args.preset)
     small = quantize(jax.jit(decode_layout)(init_params(config, jax.random.key(0))),

@@ -34,12 +34,12 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speed import RESULTS, decode_runner, machine, preset  # noqa: E402
+from speed import RESULTS, decode_runner, decode_step_arguments, machine, preset  # noqa: E402
 
 from gpt_jax import init_params  # noqa: E402
 from gpt_jax.kernels import builder  # noqa: E402
 from gpt_jax.kernels import few_rows_matmul, int8_matmul, paged_attention  # noqa: E402
-from gpt_jax.params import QUANTIZE, decode_layout, quantize  # noqa: E402
+from gpt_jax.params import decode_layout, quantize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # The kernels a decode step calls, and the handler symbol of each one's main target.
@@ -86,15 +86,8 @@ def traced_as(name: str, base_targets: dict):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="gpt-jax bench kernel_ab",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="smollm2-135m")
+    decode_step_arguments(parser, rounds=11)
     parser.add_argument("--base", default="main", help="git revision of the base kernels")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--live", type=int, default=128, help="cached tokens per row")
-    parser.add_argument("--capacity", type=int, default=256, help="token slots per row")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps per timing")
-    parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--quantize", choices=QUANTIZE, default=None, help="weights so")
-    parser.add_argument("--tag", default="", help="suffix of the result file's name")
     args = parser.parse_args(argv)
     if not all(module.available() for module in KERNELS):
         raise SystemExit("a CPU kernel is not available (see the warning above)")

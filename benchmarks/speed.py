@@ -368,6 +368,20 @@ def decode_runner(params, config, batch, capacity, live, steps=8):
     return functools.partial(run, params, cache)  # .func.lower(*.args) gives its HLO
 
 
+def decode_step_arguments(parser, rounds: int) -> None:
+    """The flags of a benchmark timing `decode_runner` steps of a preset's random weights:
+    --preset, --batch, --live, --capacity, --steps, --rounds (default `rounds`), --quantize,
+    --tag."""
+    parser.add_argument("--preset", default="smollm2-135m")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--live", type=int, default=128, help="cached tokens per row")
+    parser.add_argument("--capacity", type=int, default=256, help="token slots per row")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per timing")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--quantize", choices=QUANTIZE, default=None, help="weights so")
+    parser.add_argument("--tag", default="", help="suffix of the result file's name")
+
+
 def decode_step_seconds(params, config, batch, capacity, live, steps=16) -> float:
     """Wall time of one cached decode step: the marginal cost of `steps` more steps (runs of
     `steps` and `2 * steps` steps, best of 3 each), so per-call costs that a `generate` call
