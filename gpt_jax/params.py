@@ -16,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from gpt_jax import huge_pages
 from gpt_jax.config import GPTConfig
 from gpt_jax.layers import Int8Weight, OutputMajor, Weight
 
@@ -215,7 +216,9 @@ def inference_params(params: Params, config: GPTConfig, dtype="float32",
     against `config`, cast to `dtype` (the float dtype of the weights and KV cache), in
     `decode_layout`, and quantized by `quantize_method` (see `quantize`). Quantized, the
     float params stay float32 whatever `dtype` (then only the KV cache's dtype). Params
-    already quantized stay so (as if `quantize_method` were "int8").
+    already quantized stay so (as if `quantize_method` were "int8"). On one CPU device the
+    result is packed into transparent huge pages (`gpt_jax.huge_pages.pack`: the decode
+    step reads them faster).
 
     Raises:
       ValueError: an unknown `quantize_method` (see `check_quantize`), or params whose
@@ -224,8 +227,8 @@ def inference_params(params: Params, config: GPTConfig, dtype="float32",
     check_quantize(quantize_method)
     check_params(params, config)
     if is_quantized(params):
-        return params
-    return _inference_params(params, jnp.dtype(dtype), quantize_method)
+        return huge_pages.pack(params)
+    return huge_pages.pack(_inference_params(params, jnp.dtype(dtype), quantize_method))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "quantize_method"))
