@@ -29,7 +29,8 @@ def pack(tree):
     structure, each array 64-byte aligned, the first at a 2 MB boundary, in tree order.
     The mapping lives as long as any of the arrays (they hold it).
 
-    Returns `tree` unchanged where packing does not apply: an array on a device other than
+    Returns `tree` unchanged where it is packed already (its arrays laid out as `pack` lays
+    them out) or where packing does not apply: an array on a device other than
     one CPU device (a GPU, TPU, or a sharded array), a platform without `MADV_HUGEPAGE`
     (only Linux has it), or a jax that copies a host array instead of aliasing it. Where
     the kernel grants no huge pages (`transparent_hugepage/enabled` set to "never") the
@@ -40,6 +41,8 @@ def pack(tree):
             isinstance(leaf, jax.Array) and _on_one_cpu(leaf) for leaf in leaves):
         return tree
     sizes = [-(-leaf.nbytes // ALIGN) * ALIGN for leaf in leaves]
+    if _packed(leaves, sizes):
+        return tree
     total = -(-sum(sizes) // HUGE_PAGE) * HUGE_PAGE
     region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = np.frombuffer(region, np.uint8).ctypes.data
@@ -61,3 +64,15 @@ def pack(tree):
 def _on_one_cpu(leaf: jax.Array) -> bool:
     devices = leaf.devices()
     return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def _packed(leaves: list[jax.Array], sizes: list[int]) -> bool:
+    """Whether `leaves` lie as `pack` lays them out: from a 2 MB boundary, one after another."""
+    address = leaves[0].unsafe_buffer_pointer()
+    if address % HUGE_PAGE:
+        return False
+    for leaf, size in zip(leaves, sizes):
+        if leaf.size and leaf.unsafe_buffer_pointer() != address:
+            return False
+        address += size
+    return True

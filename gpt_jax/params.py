@@ -226,9 +226,11 @@ def inference_params(params: Params, config: GPTConfig, dtype="float32",
     """
     check_quantize(quantize_method)
     check_params(params, config)
-    if is_quantized(params):
-        return huge_pages.pack(params)
-    return huge_pages.pack(_inference_params(params, jnp.dtype(dtype), quantize_method))
+    dtype = jnp.dtype(dtype)
+    if is_quantized(params) or (quantize_method is None and decode_layout(params) is params
+                                and {a.dtype for a in jax.tree.leaves(params)} == {dtype}):
+        return huge_pages.pack(params)  # made so already (an LLM's, given to its Engine)
+    return huge_pages.pack(_inference_params(params, dtype, quantize_method))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "quantize_method"))

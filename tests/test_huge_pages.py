@@ -38,6 +38,7 @@ def test_pack_copies_every_array_into_one_aligned_region_in_tree_order():
     padded = [-(-leaf.nbytes // huge_pages.ALIGN) * huge_pages.ALIGN for leaf in leaves]
     assert starts == [starts[0] + sum(padded[:k]) for k in range(len(leaves))]
     assert np.asarray(jax.jit(lambda t: t["d"].sum() + t["a"][-1])(packed)) == 700 * 3 * 3 + 999
+    assert huge_pages.pack(packed) is packed  # packed once: never copied again
 
 
 def test_the_packed_region_is_in_huge_pages_where_the_kernel_grants_them():
@@ -62,8 +63,10 @@ def test_inference_params_are_packed_and_give_the_tokens_of_unpacked_weights(con
     starts = _pointers(packed)
     assert starts[0] % huge_pages.HUGE_PAGE == 0 and starts == sorted(starts)
     assert starts[-1] - starts[0] < sum(leaf.nbytes + 64 for leaf in jax.tree.leaves(packed))
+    assert inference_params(packed, config) is packed  # an LLM's params, given to its Engine
     int8 = inference_params(params, config, quantize_method="int8")
     assert _pointers(int8)[0] % huge_pages.HUGE_PAGE == 0
+    assert inference_params(int8, config) is int8
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     want = [c.tokens for c in generate(jax.jit(decode_layout)(params), config, prompts, greedy)]
