@@ -14,7 +14,8 @@ a weaker probe would flatter it. The spread of the reads (best, median, worst) i
 beside it, so a reader sees how settled the figure was.
 
 Each read times two read kernels over the same `BANDWIDTH_BYTES` of float32 (far larger
-than the caches) and keeps the faster, so neither kernel's own limits lower the figure:
+than the caches; in 2 MB pages, as the engine's weights are: `gpt_jax.huge_pages`) and keeps
+the faster, so neither kernel's own limits lower the figure:
   "xla":     a jitted `jnp.sum`, run by XLA:CPU as the engine's programs are;
   "threads": `numpy` sums of 1/n of the array in each of n Python threads (numpy's loops
              release the GIL), n the engine's thread count: XLA:CPU's intra-op pool has one
@@ -59,12 +60,16 @@ class BandwidthProbe:
         import jax
         import jax.numpy as jnp
 
+        from gpt_jax.huge_pages import pack
+
         self.threads = engine_threads() if threads is None else threads
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
-        self._array = jnp.ones((BANDWIDTH_BYTES // 4,), jnp.float32)
+        # In 2 MB pages, as `LLM` and `Engine` hold the weights (`gpt_jax.huge_pages`): in
+        # 4 KB pages the probe would read slower than the decode step it bounds.
+        self._array = pack(jnp.ones((BANDWIDTH_BYTES // 4,), jnp.float32))
         self._sum = jax.jit(jnp.sum)
-        self._parts = np.array_split(np.ones(BANDWIDTH_BYTES // 4, np.float32), self.threads)
+        self._parts = np.array_split(np.asarray(self._array), self.threads)  # the same memory
         self._seconds_xla(), self._seconds_threads()  # untimed first runs
         self.restart()
 

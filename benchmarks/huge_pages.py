@@ -13,8 +13,8 @@ decode layout (float32, or `--quantize`d) as XLA allocates them ("4k"), a copy w
 buffers are advised into transparent huge pages and collapsed at once ("huge": Linux 6.1+
 `madvise(MADV_COLLAPSE)`; only the 2 MB-aligned part of each buffer can be, the collapsed
 megabytes are printed), and a copy packed into ONE 2 MB-aligned region advised into huge
-pages before it is written ("packed": every weight in 2 MB pages; `jax.device_put` of a
-64-byte-aligned numpy view on CPU takes the buffer without copying, checked).
+pages before it is written ("packed": `gpt_jax.huge_pages.pack`, what `LLM` and `Engine`
+run since it measured faster).
 `--steps` greedy decode steps of each copy in one scanned program (`speed.decode_runner`),
 the order rotated round by round; the medians of milliseconds per step, the medians of the
 rounds' ratios to "4k" and the load average are printed and written.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import mmap
 import os
 import sys
 import time
@@ -38,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed import RESULTS, decode_runner, decode_step_arguments, machine, preset  # noqa: E402
 
 from gpt_jax import init_params  # noqa: E402
+from gpt_jax.huge_pages import HUGE_PAGE, pack  # noqa: E402
 from gpt_jax.params import decode_layout, quantize  # noqa: E402
 
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <linux/mman.h>
-HUGE_PAGE = 2 << 20
 
 
 def collapse(tree) -> int:
@@ -60,28 +59,15 @@ def collapse(tree) -> int:
 
 
 def packed(tree):
-    """`tree` copied into one anonymous mapping advised into huge pages (each array 64-byte
-    aligned, the first at a 2 MB boundary), as arrays that use it in place. Returns
-    `(tree, region bytes in huge pages)`. Raises SystemExit if `jax.device_put` copied."""
-    leaves, treedef = jax.tree.flatten(tree)
-    sizes = [-(-leaf.nbytes // 64) * 64 for leaf in leaves]
-    total = -(-sum(sizes) // HUGE_PAGE) * HUGE_PAGE
-    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    offset = -address % HUGE_PAGE
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(address + offset), ctypes.c_size_t(total), MADV_HUGEPAGE)
-    arrays = []
-    for leaf, size in zip(leaves, sizes):
-        view = np.frombuffer(region, leaf.dtype, leaf.size, offset).reshape(leaf.shape)
-        view[...] = np.asarray(leaf)
-        arrays.append(jax.device_put(view))
-        if arrays[-1].unsafe_buffer_pointer() != view.ctypes.data:
-            raise SystemExit("jax.device_put copied the packed weights")
-        offset += size
+    """`tree` packed into one huge-page mapping (`gpt_jax.huge_pages.pack`, as `LLM` and
+    `Engine` run their weights) and this process's AnonHugePages line. Raises SystemExit if
+    it was not packed (jax copied, or not on one CPU device)."""
+    out = pack(tree)
+    if out is tree:
+        raise SystemExit("the weights were not packed (gpt_jax.huge_pages.pack)")
     huge = [line for line in Path("/proc/self/smaps_rollup").read_text().splitlines()
             if line.startswith("AnonHugePages")]
-    return jax.tree.unflatten(treedef, arrays), huge
+    return out, huge
 
 
 def main(argv=None) -> None:

@@ -39,7 +39,7 @@ from speed import RESULTS, decode_runner, decode_step_arguments, machine, preset
 from gpt_jax import init_params  # noqa: E402
 from gpt_jax.kernels import builder  # noqa: E402
 from gpt_jax.kernels import few_rows_matmul, int8_matmul, paged_attention  # noqa: E402
-from gpt_jax.params import decode_layout, quantize  # noqa: E402
+from gpt_jax.params import inference_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # The kernels a decode step calls, and the handler symbol of each one's main target.
@@ -92,8 +92,8 @@ def main(argv=None) -> None:
     if not all(module.available() for module in KERNELS):
         raise SystemExit("a CPU kernel is not available (see the warning above)")
     config = preset(args.preset)
-    params = quantize(jax.jit(decode_layout)(init_params(config, jax.random.key(0))),
-                      args.quantize)
+    params = inference_params(init_params(config, jax.random.key(0)), config,
+                              quantize_method=args.quantize)  # as `LLM` runs them
     with tempfile.TemporaryDirectory() as tmp:
         base_targets = register_base(args.base, Path(tmp))
     runs, tokens = {}, {}

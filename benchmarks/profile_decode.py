@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed import RESULTS, decode_runner, machine, preset, timed  # noqa: E402
 
 from gpt_jax import init_params  # noqa: E402
-from gpt_jax.params import decode_layout  # noqa: E402
-from gpt_jax.params import QUANTIZE, quantize  # noqa: E402
+from gpt_jax.params import QUANTIZE, inference_params  # noqa: E402
 
 NESTING = ("while", "cond", "call")  # containers: their ops are counted themselves
 
@@ -61,8 +60,8 @@ def main(argv=None) -> None:
     config = preset(args.preset)
     # Laid out once, as LLM holds them: else every call re-lays the weights (per call, not
     # per step, but a large share of 8 profiled steps).
-    params = jax.jit(decode_layout)(init_params(config, jax.random.key(0)))
-    params = quantize(params, args.quantize)
+    params = inference_params(init_params(config, jax.random.key(0)), config,
+                              quantize_method=args.quantize)  # as `LLM` runs them
     steps = 8
     run = decode_runner(params, config, args.batch, args.capacity, args.live, steps)
     jax.block_until_ready(run())  # compile outside the trace

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax import GPTConfig, init_params
-from gpt_jax.params import QUANTIZE, decode_layout, is_quantized, quantize
+from gpt_jax.params import QUANTIZE, inference_params, is_quantized
 from inference import SamplingParams, compile_counts, generate
 from inference.steps import cached_model, init_cache_rows
 from inference.naive import naive_model
@@ -256,11 +256,11 @@ def throughput(args) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             model, params, load_s = hf_model(config, tmp) if args.hf else (
                 None, init_params(config, jax.random.key(0)), None)
-        # Ours runs the weights in the decode layout, made once (as `LLM` does), not per call.
-        laid_out = jax.jit(decode_layout)(params)
-        laid_out_bf16 = jax.jit(decode_layout)(jax.tree.map(
-            lambda a: a.astype(jnp.bfloat16), params)) if args.bf16 else None
-        quantized = quantize(params, args.quantize) if args.quantize else None
+        # Ours runs the weights as `LLM` does: in the decode layout, in huge pages, made once.
+        laid_out = inference_params(params, config)
+        laid_out_bf16 = inference_params(params, config, "bfloat16") if args.bf16 else None
+        quantized = inference_params(params, config, quantize_method=args.quantize) \
+            if args.quantize else None
         first = SamplingParams(temperature=0.0, max_new_tokens=1)
         first_token_s = timed(lambda: generate(  # noqa: B023
             laid_out, config, random_prompts(config, 1), first), repeats=3)  # noqa: B023
@@ -475,7 +475,7 @@ def prefill_peak_bytes(params, config, length: int) -> int:
 def ttft(args) -> None:
     config = preset(args.preset)
     params = init_params(config, jax.random.key(0))
-    laid_out = jax.jit(decode_layout)(params)  # once, as `LLM` does
+    laid_out = inference_params(params, config)  # once, as `LLM` does
     rows = []
     one = SamplingParams(temperature=0.0, max_new_tokens=1)
     for length in args.lengths:

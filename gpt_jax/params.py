@@ -16,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from gpt_jax import huge_pages
 from gpt_jax.config import GPTConfig
 from gpt_jax.layers import Int8Weight, OutputMajor, Weight
 
@@ -215,7 +216,9 @@ def inference_params(params: Params, config: GPTConfig, dtype="float32",
     against `config`, cast to `dtype` (the float dtype of the weights and KV cache), in
     `decode_layout`, and quantized by `quantize_method` (see `quantize`). Quantized, the
     float params stay float32 whatever `dtype` (then only the KV cache's dtype). Params
-    already quantized stay so (as if `quantize_method` were "int8").
+    already quantized stay so (as if `quantize_method` were "int8"). On one CPU device the
+    result is packed into transparent huge pages (`gpt_jax.huge_pages.pack`: the decode
+    step reads them faster).
 
     Raises:
       ValueError: an unknown `quantize_method` (see `check_quantize`), or params whose
@@ -223,9 +226,11 @@ def inference_params(params: Params, config: GPTConfig, dtype="float32",
     """
     check_quantize(quantize_method)
     check_params(params, config)
-    if is_quantized(params):
-        return params
-    return _inference_params(params, jnp.dtype(dtype), quantize_method)
+    dtype = jnp.dtype(dtype)
+    if is_quantized(params) or (quantize_method is None and decode_layout(params) is params
+                                and {a.dtype for a in jax.tree.leaves(params)} == {dtype}):
+        return huge_pages.pack(params)  # made so already (an LLM's, given to its Engine)
+    return huge_pages.pack(_inference_params(params, dtype, quantize_method))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "quantize_method"))

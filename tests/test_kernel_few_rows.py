@@ -60,6 +60,29 @@ def test_several_weights_in_one_call_equal_xla_for_1_to_8_rows():
                 assert (diff <= 1e-6 * math.sqrt(I) * magnitude).all(), (Os, M)
 
 
+def test_calls_from_several_threads_at_once_each_get_their_own_products():
+    """Back-to-back calls over the pool from three Python threads at once: the pool's helpers
+    keep spinning after a call and take the next call's work, whichever thread made it
+    (`parallel_for` with spin, common.h), so every product must still be its own call's."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(1)
+    I = 40
+    ws = [rng.normal(size=(O, I)).astype(np.float32) for O in (5003, 2999)]  # 1.3 MB: pooled
+    call = jax.jit(lambda x, *ws: few_rows_kernel.few_rows_matmuls(x, list(ws)))
+    xs = [rng.normal(size=(1 + k % 3, I)).astype(np.float32) for k in range(3)]
+    want = [[x.astype(np.float64) @ w.astype(np.float64).T for w in ws] for x in xs]
+
+    def calls(k):
+        for _ in range(40):
+            for got, exact in zip(call(xs[k], *ws), want[k]):
+                np.testing.assert_allclose(np.asarray(got), exact, rtol=1e-4, atol=1e-4)
+        return k
+
+    with concurrent.futures.ThreadPoolExecutor(3) as threads:
+        assert sorted(threads.map(calls, range(3))) == [0, 1, 2]
+
+
 def _greedy_decode(params, config, first_B, n_steps):
     """`n_steps` greedy decode steps from one token per row (an empty cache), through one
     program traced here (the kernel choice is made at tracing): `(tokens [B, n_steps],

@@ -318,7 +318,7 @@ void forward(ffi::ThreadPool& pool, Shape s, const float* q, const float* k, con
     if (kv.T != s.T) kv = Head(s.T, H);
     kv.load(k, v, b, s.K, kh, false);
     for (int64_t g = 0; g < G; ++g) forward_head<H>(q, kv, b, s.N, kh * G + g, out, lse);
-  });
+  }, false);
 }
 
 template <int64_t H>
@@ -342,7 +342,7 @@ void backward(ffi::ThreadPool& pool, Shape s, const float* q, const float* k, co
       std::memcpy(d_k + dst, &dk_TH[t * H], H * sizeof(float));
       std::memcpy(d_v + dst, &dv_TH[t * H], H * sizeof(float));
     }
-  });
+  }, false);
 }
 
 // fn(std::integral_constant<int64_t, H>) for head dim H (32, 64 or 128: shape_of refuses

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -44,14 +45,86 @@ struct Work {
   }
 };
 
-inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n,
-                         std::function<void(int64_t)> fn) {
+// How long a helper keeps looking for the next call's work after it ran out, and the caller
+// for its helpers to finish before it sleeps. A decode step makes a kernel call every few
+// tens of microseconds (XLA's norms, RoPE and attention between them): a helper that slept
+// between calls would be woken by the next one (a futex wake, an inter-processor interrupt
+// in a virtual machine), each wake costing about what a small call's bytes take to read.
+constexpr int64_t kSpinNanos = 100000;
+
+inline int64_t now_nanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// The latest call's work, where helpers still spinning after an earlier call find it.
+// Never destroyed: pool threads may read it while the process exits.
+struct Mailbox {
+  std::mutex mutex;
+  std::shared_ptr<Work> work;  // guarded by mutex
+  std::atomic<uint64_t> posted{0};  // calls posted so far
+  std::atomic<int64_t> spinning{0};  // helpers looking for work now
+
+  static Mailbox& get() {
+    static Mailbox* box = new Mailbox;
+    return *box;
+  }
+
+  void post(const std::shared_ptr<Work>& w) {
+    std::lock_guard<std::mutex> lock(mutex);
+    work = w;
+    posted.fetch_add(1);
+  }
+
+  // A pool thread's task: drain `w`, then the work of any later call posted within
+  // kSpinNanos of running out. The count of spinning helpers is left before the last look
+  // at `posted`, so a call that counted this helper (and scheduled one fewer) is seen.
+  void help(std::shared_ptr<Work> w) {
+    uint64_t seen = posted.load();
+    for (;;) {
+      w->drain();
+      w.reset();
+      spinning.fetch_add(1);
+      for (const int64_t until = now_nanos() + kSpinNanos;
+           posted.load() == seen && now_nanos() < until;)
+        spin_pause();
+      spinning.fetch_sub(1);
+      if (posted.load() == seen) return;
+      std::lock_guard<std::mutex> lock(mutex);
+      w = work;
+      seen = posted.load();
+    }
+  }
+};
+
+// `spin`: the helpers look for the next call's work, and the caller waits for them, for
+// kSpinNanos before they sleep (the decode kernels, called many times a step); without it
+// (the training kernels, between XLA's pool-wide matrix products) they sleep at once.
+inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn,
+                         bool spin) {
   auto work = std::make_shared<Work>();
   work->total = n;
   work->fn = std::move(fn);
+  Mailbox& box = Mailbox::get();
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->drain(); });
+  if (spin && helpers > 0) {
+    box.post(work);  // for helpers still spinning after an earlier call
+    for (int64_t t = box.spinning.load(); t < helpers; ++t)
+      pool.Schedule([work, &box] { box.help(work); });
+  } else {
+    for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->drain(); });
+  }
   work->drain();
+  for (int64_t until = now_nanos() + (spin ? kSpinNanos : 0);
+       work->finished.load() != n && now_nanos() < until;)
+    spin_pause();
   std::unique_lock<std::mutex> lock(work->mutex);
   work->all_done.wait(lock, [&] { return work->finished.load() == n; });
   work->fn = nullptr;  // late tasks keep `work` alive, never the caller's frame

@@ -197,7 +197,7 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rem
   if (threads == 1) {
     for (size_t t = 0; t < tasks.size(); ++t) run(t);
   } else {
-    parallel_for(pool, tasks.size(), run);
+    parallel_for(pool, tasks.size(), run, true);
   }
   return ffi::Error::Success();
 }

@@ -265,7 +265,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     const auto [k, p0] = tasks[task];
     const Matrix& m = matrices[k];
     panels(xs, m.w, m.scale, M, I, m.O, p0, std::min(m.n_panels, p0 + per_task), m.y);
-  });
+  }, true);
   return ffi::Error::Success();
 }
 

@@ -257,7 +257,7 @@ ffi::Error run(ffi::ThreadPool& pool, const float* q, const int32_t* lengths, in
                      out_KGH + k * G * H, lse_KG + k * G);
       }
     }
-  });
+  }, true);
   return ffi::Error::Success();
 }
 
