@@ -53,7 +53,9 @@ def pack(tree):
         view = np.frombuffer(region, leaf.dtype, leaf.size, offset).reshape(leaf.shape)
         view[...] = np.asarray(leaf)
         view.flags.writeable = False
-        array = jax.device_put(view, next(iter(leaf.devices())))
+        # Committed as the original was: an uncommitted array may join a mesh or a program
+        # on another device, and jit's cache tells committed arguments from uncommitted ones.
+        array = jax.device_put(view, *leaf.devices()) if leaf.committed else jax.device_put(view)
         if leaf.size and array.unsafe_buffer_pointer() != view.ctypes.data:
             return tree  # copied, not aliased: the region would only cost memory
         packed.append(array)

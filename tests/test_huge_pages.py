@@ -25,12 +25,14 @@ def test_pack_copies_every_array_into_one_aligned_region_in_tree_order():
     tree = {"a": jnp.arange(1000, dtype=jnp.float32),  # 4,000 bytes: padded to 4,032
             "b": jnp.linspace(-2, 2, 15, dtype=jnp.bfloat16).reshape(3, 5),
             "c": jnp.arange(-7, 7, dtype=jnp.int8),
-            "d": jnp.ones((700, 3), jnp.float32) * 3}
+            "d": jnp.ones((700, 3), jnp.float32) * 3,
+            "e": jax.device_put(jnp.ones(4, jnp.float32), jax.devices()[0])}  # committed
     packed = huge_pages.pack(tree)
     assert jax.tree.structure(packed) == jax.tree.structure(tree)
     for name in tree:
         assert packed[name] is not tree[name]
         assert packed[name].dtype == tree[name].dtype and packed[name].shape == tree[name].shape
+        assert packed[name].committed == tree[name].committed  # else jit would recompile
         np.testing.assert_array_equal(np.asarray(packed[name]), np.asarray(tree[name]))
     leaves = jax.tree.leaves(packed)
     starts = _pointers(packed)
@@ -38,6 +40,7 @@ def test_pack_copies_every_array_into_one_aligned_region_in_tree_order():
     padded = [-(-leaf.nbytes // huge_pages.ALIGN) * huge_pages.ALIGN for leaf in leaves]
     assert starts == [starts[0] + sum(padded[:k]) for k in range(len(leaves))]
     assert np.asarray(jax.jit(lambda t: t["d"].sum() + t["a"][-1])(packed)) == 700 * 3 * 3 + 999
+    assert [tree[name].committed for name in "ade"] == [False, False, True]
     assert huge_pages.pack(packed) is packed  # packed once: never copied again
 
 
