@@ -8,8 +8,8 @@ the hardware prefetchers stop at every page boundary. Packed into one 2 MB-align
 advised with `madvise(MADV_HUGEPAGE)` before it is written, the same weights are read in
 2 MB pages, one after another in the order the step reads them (the tree's order: layer by
 layer). `gpt-jax bench huge_pages` measures the step both ways (benchmarks/README.md,
-"Weights in 2 MB pages"). llama.cpp's `--mlock`/huge-page mappings and the Linux kernel's
-documentation (Documentation/admin-guide/mm/transhuge.rst) describe the mechanism.
+"Packed weights and spinning helpers"). The mechanism: the Linux kernel's documentation,
+Documentation/admin-guide/mm/transhuge.rst (`madvise` mode, `MADV_HUGEPAGE`).
 """
 
 from __future__ import annotations
