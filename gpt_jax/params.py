@@ -160,6 +160,15 @@ def has_panels(params: Params) -> bool:
         params.get("blocks"), is_leaf=lambda w: isinstance(w, Weight)))
 
 
+def _in_layout(params: Params, panels: bool) -> bool:
+    """Whether decode-layout `params` have their block matrices as `panel_layout` (with
+    `panels`) or `output_layout` (without) would make them."""
+    if not panels:
+        return not has_panels(params)
+    return not any(isinstance(w, OutputMajor) and PanelMajor.fits(w.w_OI) for w in jax.tree.leaves(
+        params["blocks"], is_leaf=lambda w: isinstance(w, Weight)))
+
+
 def quantize(params: Params, method: str | None) -> Params:
     """`params` (either layout) with every weight matrix quantized, for inference.
 
@@ -268,7 +277,7 @@ def inference_params(params: Params, config: GPTConfig, dtype="float32",
               and jax.default_backend() == "cpu" and panel_kernel.use_kernel())
     if is_quantized(params) or (quantize_method is None and decode_layout(params) is params
                                 and {a.dtype for a in jax.tree.leaves(params)} == {dtype}
-                                and has_panels(params) == panels):
+                                and _in_layout(params, panels)):
         return huge_pages.pack(params)  # made so already (an LLM's, given to its Engine)
     return huge_pages.pack(_inference_params(params, dtype, quantize_method, panels))
 
