@@ -268,13 +268,14 @@ class PanelMajor(Weight):
     values: jax.Array  # float32 [O / 16, I, 16], channel o at [o // 16, :, o % 16]
 
     @staticmethod
-    def fits(w_OI: jax.Array) -> bool:
-        """Whether `w_OI` `[O, I]` is laid out in panels (`gpt_jax.params.panel_layout`): float32,
-        O a multiple of 16, and more than `few_rows_kernel.MAX_CACHED_FLOATS` weights (read
-        from memory, where a product's form matters; smaller ones stay `OutputMajor`)."""
-        O = w_OI.shape[0]
-        return (w_OI.dtype == jnp.float32 and O % PANEL == 0
-                and w_OI.size > few_rows_kernel.MAX_CACHED_FLOATS)
+    def fits(ws_OI: list[jax.Array]) -> bool:
+        """Whether the weights `[O_k, I]` of one input (a layer's q, k and v: one `linears`
+        call, so one layout) are laid out in panels (`gpt_jax.params.panel_layout`): each
+        float32 with O a multiple of 16, and more than `few_rows_kernel.MAX_CACHED_FLOATS`
+        weights in all (read from memory, where a product's form matters; smaller ones stay
+        `OutputMajor`)."""
+        return (all(w.dtype == jnp.float32 and w.shape[0] % PANEL == 0 for w in ws_OI)
+                and sum(w.size for w in ws_OI) > few_rows_kernel.MAX_CACHED_FLOATS)
 
     def matmul(self, x_MI: jax.Array, preferred_element_type=None) -> jax.Array:
         """`x @ w^T`: float32 `[M, I]` -> float32 `[M, O]`."""

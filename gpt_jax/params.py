@@ -128,16 +128,26 @@ def decode_layout(params: Params) -> Params:
     return {**params, "blocks": tuple(layer(p) for p in unstack_layers(params)["blocks"])}
 
 
-def panel_layout(params: Params) -> Params:
-    """`params` in `decode_layout` with each block matrix that `PanelMajor.fits` (float32,
-    read from memory) in panels, the layout the CPU panel kernel reads; the rest as they
-    are. A copy of those weights."""
-    def panels(w):
-        return PanelMajor(to_panels(w.w_OI)) if isinstance(w, OutputMajor) and PanelMajor.fits(
-            w.w_OI) else w
+# The block matrices of one input, which one `Weight.linears` call multiplies (one layout).
+SHARED_INPUT = (("attn", ("w_q", "w_k", "w_v")), ("attn", ("w_o",)),
+                ("mlp", ("w_gate", "w_in")), ("mlp", ("w_out",)))
 
-    blocks = jax.tree.map(panels, params["blocks"], is_leaf=lambda w: isinstance(w, Weight))
-    return {**params, "blocks": blocks}
+
+def panel_layout(params: Params) -> Params:
+    """`params` in `decode_layout` with the block matrices of each input (`SHARED_INPUT`)
+    that `PanelMajor.fits` (float32, read from memory) in panels, the layout the CPU panel
+    kernel reads; the rest as they are. A copy of those weights."""
+    def layer(p):
+        p = {**p, "attn": dict(p["attn"]), "mlp": dict(p["mlp"])}
+        for part, names in SHARED_INPUT:
+            ws = [p[part][n] for n in names if n in p[part]]
+            if all(isinstance(w, OutputMajor) for w in ws) and PanelMajor.fits(
+                    [w.w_OI for w in ws]):
+                p[part].update({n: PanelMajor(to_panels(p[part][n].w_OI))
+                                for n in names if n in p[part]})
+        return p
+
+    return {**params, "blocks": tuple(layer(p) for p in params["blocks"])}
 
 
 def output_layout(params: Params) -> Params:
@@ -165,8 +175,8 @@ def _in_layout(params: Params, panels: bool) -> bool:
     `panels`) or `output_layout` (without) would make them."""
     if not panels:
         return not has_panels(params)
-    return not any(isinstance(w, OutputMajor) and PanelMajor.fits(w.w_OI) for w in jax.tree.leaves(
-        params["blocks"], is_leaf=lambda w: isinstance(w, Weight)))
+    return all(a is b for a, b in zip(jax.tree.leaves(panel_layout(params)),
+                                       jax.tree.leaves(params)))
 
 
 def quantize(params: Params, method: str | None) -> Params:

@@ -21,10 +21,11 @@ from inference.generation import generate
 from inference.sampling_params import SamplingParams
 from tests.conftest import assert_close, lively_params
 
-# d_model 256: the MLP's matrices (1024 x 256) are over the 512 KB of weights that stay in
-# cache, so they go in panels; the attention's (256 x 256) stay OutputMajor.
-WIDE = GPTConfig(vocab_size=97, max_seq_len=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                 d_model=256)
+# d_model 320, one kv head of 80: w_q (320 x 320) alone is under the 512 KB of weights that
+# stay in cache, w_q, w_k and w_v (one input, one call) are over it, so all three go in
+# panels, as the MLP's (1280 x 320); w_o (320 x 320) stays OutputMajor.
+WIDE = GPTConfig(vocab_size=97, max_seq_len=64, n_layers=2, n_heads=4, n_kv_heads=1,
+                 d_model=320)
 
 
 def _bound(x, w_OI):
@@ -91,9 +92,10 @@ def test_inference_params_put_the_large_float32_block_matrices_in_panels():
              for part, names in (("attn", ("w_q", "w_k", "w_v", "w_o")),
                                  ("mlp", ("w_in", "w_out")))
              for name in names}
-    assert kinds == {"w_q": "OutputMajor", "w_k": "OutputMajor", "w_v": "OutputMajor",
+    assert kinds == {"w_q": "PanelMajor", "w_k": "PanelMajor", "w_v": "PanelMajor",
                      "w_o": "OutputMajor", "w_in": "PanelMajor", "w_out": "PanelMajor"}
-    assert made["blocks"][1]["mlp"]["w_in"].values.shape == (1024 // 16, 256, 16)
+    assert made["blocks"][1]["mlp"]["w_in"].values.shape == (1280 // 16, 320, 16)
+    assert made["blocks"][1]["attn"]["w_k"].values.shape == (80 // 16, 320, 16)
     plain = jax.jit(decode_layout)(params)
     np.testing.assert_array_equal(made["blocks"][1]["mlp"]["w_out"].output_major().w_OI,
                                   plain["blocks"][1]["mlp"]["w_out"].w_OI)
@@ -101,8 +103,8 @@ def test_inference_params_put_the_large_float32_block_matrices_in_panels():
     wrong = {**made, "blocks": (made["blocks"][0], {
         **made["blocks"][1], "mlp": {**made["blocks"][1]["mlp"],
                                      "w_in": PanelMajor(made["blocks"][1]["mlp"]["w_in"].values[1:])}})}
-    with pytest.raises(ValueError, match=r"\['w_in'\]\.values has shape \(63, 256, 16\), but "
-                                         r"the config expects \(64, 256, 16\)"):
+    with pytest.raises(ValueError, match=r"\['w_in'\]\.values has shape \(79, 320, 16\), but "
+                                         r"the config expects \(80, 320, 16\)"):
         check_params(wrong, WIDE)
     assert inference_params(made, WIDE) is made  # an LLM's params, given to its Engine
     unpaneled = inference_params(made, WIDE, panels=False)  # to be sharded
