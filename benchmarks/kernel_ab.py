@@ -10,7 +10,8 @@ Random weights of the preset's shape in the decode layout (float32, or `--quanti
 `--steps` greedy decode steps of every row at `--live` cached tokens in one scanned program
 (`speed.decode_runner`: the cache carried, as the generation loop runs it). Two programs:
   base    the few-rows, int8 and paged-attention kernels built from `--base`'s sources
-          (registered under their target names + "_base");
+          (registered under their target names + "_base"; the float32 panel target, which
+          older revisions lack, stays this checkout's in both);
   this    this checkout's kernels.
 Each round runs each program once, the order alternated; the medians of wall and process
 CPU milliseconds per step (all threads), the median of the rounds' wall ratios (this over
