@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed import RESULTS, machine  # noqa: E402
 
-from gpt_jax.kernels import int8_matmul as int8_kernel  # noqa: E402
+from gpt_jax.kernels import panel_matmul as panel_kernel  # noqa: E402
 from gpt_jax.layers import Int8Weight  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
-    if not int8_kernel.available():
+    if not panel_kernel.available():
         raise SystemExit("the CPU int8 kernel is not available (see the warning above)")
     rng = np.random.default_rng(0)
     D, N = args.width, args.calls
@@ -63,12 +63,12 @@ def main(argv=None) -> None:
     @jax.jit
     def many(x, ws):
         for w in ws:
-            x = int8_kernel.int8_matmul(x, w.values, w.scale_O) * (1.0 / D)
+            x = panel_kernel.int8_matmul(x, w.values, w.scale_O) * (1.0 / D)
         return x
 
     @jax.jit
     def one(x, w):
-        return int8_kernel.int8_matmul(x, w.values, w.scale_O)
+        return panel_kernel.int8_matmul(x, w.values, w.scale_O)
 
     x = jnp.ones((args.rows, D), jnp.float32)
     runs = {f"{N} calls": lambda: many(x, narrow), "1 call": lambda: one(x, tall)}

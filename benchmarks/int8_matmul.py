@@ -10,7 +10,7 @@ and .png):
 
 Each timed call multiplies one input by the three matrix shapes of a GPT-2 block (768 x
 2304, 768 x 3072, 3072 x 768; int8 per-channel weights from `gpt_jax.layers.Int8Weight`),
-the paths in turn, best of `--rounds`: `kernel` (`gpt_jax.kernels.int8_matmul`), `xla` (XLA's path of
+the paths in turn, best of `--rounds`: `kernel` (`gpt_jax.kernels.panel_matmul`), `xla` (XLA's path of
 `gpt_jax.layers.int8_matmul`: widen the int8 values, dot, scale) and `float32` (the float
 weights, XLA's dot).
 """
@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed import save  # noqa: E402
 
-from gpt_jax.kernels import int8_matmul as int8_kernel  # noqa: E402
+from gpt_jax.kernels import panel_matmul as panel_kernel  # noqa: E402
 from gpt_jax.layers import Int8Weight  # noqa: E402
 
 SHAPES = ((768, 2304), (768, 3072), (3072, 768))  # (I, O) of a GPT-2 block's matrices
@@ -66,13 +66,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 64, 256, 1024])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
-    if not int8_kernel.available():
+    if not panel_kernel.available():
         raise SystemExit("the CPU int8 kernel is not available (see the warning above)")
     rng = np.random.default_rng(0)
     floats = [jnp.asarray(0.02 * rng.standard_normal((O, I), np.float32)) for I, O in SHAPES]
     quantized = [jax.jit(Int8Weight.quantize)(w) for w in floats]
     paths = {
-        "kernel": (jax.jit(lambda xs, ws: [int8_kernel.int8_matmul(x, w.values, w.scale_O)
+        "kernel": (jax.jit(lambda xs, ws: [panel_kernel.int8_matmul(x, w.values, w.scale_O)
                                            for x, w in zip(xs, ws)]), quantized),
         "xla": (jax.jit(lambda xs, ws: [xla_path(x, w) for x, w in zip(xs, ws)]), quantized),
         "float32": (jax.jit(lambda xs, ws: [x @ w.T for x, w in zip(xs, ws)]), floats),

@@ -10,7 +10,8 @@ Random weights of the preset's shape in the decode layout (float32, or `--quanti
 `--steps` greedy decode steps of every row at `--live` cached tokens in one scanned program
 (`speed.decode_runner`: the cache carried, as the generation loop runs it). Two programs:
   base    the few-rows, int8 and paged-attention kernels built from `--base`'s sources
-          (registered under their target names + "_base");
+          (registered under their target names + "_base"; the float32 panel target, which
+          older revisions lack, stays this checkout's in both);
   this    this checkout's kernels.
 Each round runs each program once, the order alternated; the medians of wall and process
 CPU milliseconds per step (all threads), the median of the rounds' wall ratios (this over
@@ -38,13 +39,14 @@ from speed import RESULTS, decode_runner, decode_step_arguments, machine, preset
 
 from gpt_jax import init_params  # noqa: E402
 from gpt_jax.kernels import builder  # noqa: E402
-from gpt_jax.kernels import few_rows_matmul, int8_matmul, paged_attention  # noqa: E402
+from gpt_jax.kernels import few_rows_matmul, paged_attention, panel_matmul  # noqa: E402
 from gpt_jax.params import inference_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # The kernels a decode step calls, and the handler symbol of each one's main target.
-KERNELS = {few_rows_matmul: "GptJaxFewRowsMatmul", int8_matmul: "GptJaxInt8Matmul",
+KERNELS = {few_rows_matmul: "GptJaxFewRowsMatmul", panel_matmul: "GptJaxInt8Matmul",
            paged_attention: "GptJaxPagedDecodeAttention"}
+FORMER_NAMES = {"panel_matmul.cc": "int8_matmul.cc"}  # a source's name in older revisions
 NAMES = ("base", "this")
 
 
@@ -53,8 +55,12 @@ def register_base(revision: str, directory: Path) -> dict:
     the revision in a comment so that the build cache keeps them apart) and register it
     under its target name + "_base". Returns {kernel module: base target name}."""
     def show(name):
-        return subprocess.run(["git", "show", f"{revision}:gpt_jax/kernels/{name}"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout
+        run = subprocess.run(["git", "show", f"{revision}:gpt_jax/kernels/{name}"], cwd=ROOT,
+                             capture_output=True, text=True)
+        if run.returncode and name in FORMER_NAMES:
+            return show(FORMER_NAMES[name])
+        run.check_returncode()
+        return run.stdout
     (directory / "common.h").write_text(show("common.h"))
     targets = {}
     for module, symbol in KERNELS.items():

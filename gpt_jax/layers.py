@@ -2,12 +2,15 @@
 (GELU or gated SiLU), rotary position embeddings, embedding lookups, and the weight layouts
 they run on.
 
-A weight matrix comes in one of three layouts, and each knows its own products and row
-lookup, so no caller branches on the type:
+A weight matrix comes in one of four layouts, and each knows its own products (and the
+embedding tables' layouts their row lookup), so no caller branches on the type:
   `InputMajor`   `[I, O]`, the training layout (a plain parameter array, seen as a matrix);
   `OutputMajor`  `[O, I]`, the decode layout (`gpt_jax.params.decode_layout`);
+  `PanelMajor`   `[O, I]` in panels of 16 output channels, float32: the decode layout of the
+                 large block matrices on CPU (`gpt_jax.params.inference_params`);
   `Int8Weight`   `[O, I]` as int8 with a scale per output channel (`gpt_jax.params.quantize`).
-Parameters hold plain arrays (training, checkpoints), `OutputMajor` or `Int8Weight`;
+Parameters hold plain arrays (training, checkpoints), `OutputMajor`, `PanelMajor` or
+`Int8Weight`;
 `as_weight` is the one place a plain array is given its layout. The embedding tables `[V, D]`
 are output-major as plain arrays too: the tied output projection multiplies by their
 transpose. Shape letters as in `gpt_jax.model`; `M` rows, `I` inputs and `O` outputs of a
@@ -27,7 +30,7 @@ from flax import struct
 from gpt_jax import kernels
 from gpt_jax.config import GPTConfig
 from gpt_jax.kernels import few_rows_matmul as few_rows_kernel
-from gpt_jax.kernels import int8_matmul as int8_kernel
+from gpt_jax.kernels import panel_matmul as panel_kernel
 
 
 def _lead(bias: jax.Array, x: jax.Array) -> jax.Array:
@@ -231,6 +234,79 @@ class OutputMajor(Weight):
         return cls(jnp.concatenate([w.w_OI for w in ws], axis=0))
 
 
+PANEL = 16  # output channels per panel (`to_panels`)
+
+
+def to_panels(w_OI: jax.Array) -> jax.Array:
+    """`w` `[O, I]` as panels of 16 output channels, `[ceil(O / 16), I, 16]`: channel o at
+    `[o // 16, :, o % 16]`, channels past O zero (how `PanelMajor` and `Int8Weight` keep
+    their values)."""
+    O, I = w_OI.shape
+    n_panels = -(-O // PANEL)
+    w_OI = jnp.pad(w_OI, ((0, n_panels * PANEL - O), (0, 0)))
+    return jnp.swapaxes(w_OI.reshape(n_panels, PANEL, I), 1, 2)
+
+
+def from_panels(panels: jax.Array, O: int) -> jax.Array:
+    """The matrix `[O, I]` of panels `[ceil(O / 16), I, 16]` (`to_panels` undone)."""
+    return jnp.swapaxes(panels, 1, 2).reshape(-1, panels.shape[1])[:O]
+
+
+@struct.dataclass
+class PanelMajor(Weight):
+    """A float32 weight matrix `w[O, I]` in panels of sixteen output channels,
+    `[O / 16, I, 16]` (`to_panels`; O a multiple of 16): the weights of one input for a
+    panel's channels are consecutive, so a product reads memory strictly in order, one
+    panel at a time. On CPU the panel kernel (`gpt_jax.kernels.panel_matmul`) computes
+    `x @ w^T` in the outer-product form (each input of a row broadcast and multiplied into
+    a panel's 16 channels), which outruns XLA's products of `OutputMajor` weights at 2 to
+    16 rows (the decode steps of a few sequences; figures in benchmarks/README.md, "Float32
+    panels"). Elsewhere (GPU, TPU, a `gpt_jax.kernels.portable()` program) XLA contracts the
+    panels directly; `gpt_jax.params.inference_params` makes them only where the kernel runs.
+    """
+
+    values: jax.Array  # float32 [O / 16, I, 16], channel o at [o // 16, :, o % 16]
+
+    @staticmethod
+    def fits(ws_OI: list[jax.Array]) -> bool:
+        """Whether the weights `[O_k, I]` of one input (a layer's q, k and v: one `linears`
+        call, so one layout) are laid out in panels (`gpt_jax.params.panel_layout`): each
+        float32 with O a multiple of 16, and more than `few_rows_kernel.MAX_CACHED_FLOATS`
+        weights in all (read from memory, where a product's form matters; smaller ones stay
+        `OutputMajor`)."""
+        return (all(w.dtype == jnp.float32 and w.shape[0] % PANEL == 0 for w in ws_OI)
+                and sum(w.size for w in ws_OI) > few_rows_kernel.MAX_CACHED_FLOATS)
+
+    def matmul(self, x_MI: jax.Array, preferred_element_type=None) -> jax.Array:
+        """`x @ w^T`: float32 `[M, I]` -> float32 `[M, O]`."""
+        return self.linears(x_MI, [self], [None], concatenate=False)[0]
+
+    @classmethod
+    def linears(cls, x_MI, ws, bs_O, concatenate):
+        """`Weight.linears` as one kernel call on CPU, whose threads share the panels of all
+        the weights (no copy, whatever `concatenate`); XLA's contraction elsewhere."""
+        def xla(x_MI, *panels):
+            return [jnp.einsum("mi,pic->mpc", x_MI, p).reshape(x_MI.shape[0], -1)
+                    for p in panels]
+
+        def kernel(x_MI, *panels):
+            return panel_kernel.f32_panel_matmuls(x_MI, list(panels))
+
+        x_MI = x_MI.astype(jnp.float32)
+        outs = kernels.dispatch(panel_kernel.use_kernel(), kernel, xla, x_MI,
+                                *(w.values for w in ws))
+        return [add_bias(out_MO, b_O) for out_MO, b_O in zip(outs, bs_O)]
+
+    @property
+    def out_size(self) -> int:
+        """O, the width of a product."""
+        return self.values.shape[0] * PANEL
+
+    def output_major(self) -> OutputMajor:
+        """The same matrix as an `OutputMajor` `[O, I]` (a copy)."""
+        return OutputMajor(from_panels(self.values, self.out_size))
+
+
 @struct.dataclass
 class Int8Weight(Weight):
     """A weight matrix `w[O, I]` stored as int8 with one float32 scale per output channel:
@@ -243,26 +319,23 @@ class Int8Weight(Weight):
 
     The values are in panels of sixteen output channels, `[ceil(O / 16), I, 16]` (channels
     past O are zero): the weights of one input for a panel's channels are consecutive, which
-    is how the CPU kernel (`gpt_jax.kernels.int8_matmul`) reads memory in order.
+    is how the CPU kernel (`gpt_jax.kernels.panel_matmul`) reads memory in order.
     `gpt_jax.params.quantize` makes them.
     """
 
     values: jax.Array  # int8 [ceil(O / 16), I, 16], channel o at [o // 16, :, o % 16]
     scale_O: jax.Array  # float32 [O], the step of channel o
-    PANEL = 16  # output channels per panel (a class constant, not a field)
+    PANEL = PANEL  # output channels per panel (a class constant, not a field)
 
     @classmethod
     def quantize(cls, w_OI: jax.Array) -> Int8Weight:
         """Round `w_OI` `[O, I]` (any float dtype) to the nearest step of its channel's scale.
         An all-zero channel gets scale 0 and zero values."""
         w_OI = w_OI.astype(jnp.float32)
-        O, I = w_OI.shape
         scale_O = jnp.max(jnp.abs(w_OI), axis=1) / 127.0
         step_O = jnp.where(scale_O > 0, scale_O, 1.0)
         q_OI = jnp.clip(jnp.round(w_OI / step_O[:, None]), -127, 127).astype(jnp.int8)
-        n_panels = -(-O // cls.PANEL)
-        q_OI = jnp.pad(q_OI, ((0, n_panels * cls.PANEL - O), (0, 0)))
-        return cls(jnp.swapaxes(q_OI.reshape(n_panels, cls.PANEL, I), 1, 2), scale_O)
+        return cls(to_panels(q_OI), scale_O)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -271,8 +344,7 @@ class Int8Weight(Weight):
 
     def values_OI(self) -> jax.Array:
         """The int8 values as the matrix `[O, I]` (out of their panels)."""
-        O, I = self.shape
-        return jnp.swapaxes(self.values, 1, 2).reshape(-1, I)[:O]
+        return from_panels(self.values, self.shape[0])
 
     def dequantize(self) -> jax.Array:
         """The float32 matrix `[O, I]` it stands for."""
@@ -298,7 +370,7 @@ def int8_matmul(x_MI: jax.Array, w: Int8Weight) -> jax.Array:
     """`x @ w^T` for an `Int8Weight` `w` `[O, I]`: float32 `[M, I]` -> float32 `[M, O]`, each
     output `scale[o] * sum_i x[m, i] values[o, i]` (the scale applied after the sum).
 
-    On CPU the C++ kernel (`gpt_jax.kernels.int8_matmul`; under vmap one call for the whole
+    On CPU the C++ kernel (`gpt_jax.kernels.panel_matmul`; under vmap one call for the whole
     batch's rows) reads the int8 bytes directly: XLA:CPU would first write a float32 copy of
     the whole matrix (a convert fusion feeding its dot), a decode step's whole cost several
     times over; with many rows (a prefill) the kernel also outran XLA's widen-then-dot, and
@@ -320,10 +392,10 @@ def int8_matmuls(x_MI: jax.Array, ws: list[Int8Weight]) -> list[jax.Array]:
                 * scale_O[None] for values, scale_O in zip(weights[::2], weights[1::2])]
 
     def kernel(x_MI, *weights):
-        return int8_kernel.int8_matmuls(x_MI, list(zip(weights[::2], weights[1::2])))
+        return panel_kernel.int8_matmuls(x_MI, list(zip(weights[::2], weights[1::2])))
 
     args = (x_MI, *(a for w in ws for a in (w.values, w.scale_O)))
-    return kernels.dispatch(int8_kernel.use_kernel(), kernel, xla, *args)
+    return kernels.dispatch(panel_kernel.use_kernel(), kernel, xla, *args)
 
 
 def as_weight(w, in_axes: int = 1) -> Weight:

@@ -2,9 +2,9 @@
 
 Parameters are a nested dict of arrays; the per-layer weights under "blocks" are stacked
 along a leading L axis so the layers run as one `lax.scan` (training). Inference runs them in
-`decode_layout` (layers unstacked, block matrices `OutputMajor`), or quantized to int8
-(`quantize`: `Int8Weight`s); `inference_params` makes either once, for `inference.LLM` and
-`inference.Engine`. The model takes every layout (`gpt_jax.layers.as_weight`).
+`decode_layout` (layers unstacked, block matrices `OutputMajor`; on CPU the large float32
+ones in panels, `panel_layout`: `PanelMajor`s), or quantized to int8 (`quantize`:
+`Int8Weight`s); `inference_params` makes them once, for `inference.LLM` and `inference.Engine`. The model takes every layout (`gpt_jax.layers.as_weight`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from gpt_jax import huge_pages
 from gpt_jax.config import GPTConfig
-from gpt_jax.layers import Int8Weight, OutputMajor, Weight
+from gpt_jax.kernels import panel_matmul as panel_kernel
+from gpt_jax.layers import Int8Weight, OutputMajor, PanelMajor, Weight, to_panels
 
 QUANTIZE = ("int8",)  # the weight quantizations `quantize` offers (None: none)
 
@@ -127,6 +128,57 @@ def decode_layout(params: Params) -> Params:
     return {**params, "blocks": tuple(layer(p) for p in unstack_layers(params)["blocks"])}
 
 
+# The block matrices of one input, which one `Weight.linears` call multiplies (one layout).
+SHARED_INPUT = (("attn", ("w_q", "w_k", "w_v")), ("attn", ("w_o",)),
+                ("mlp", ("w_gate", "w_in")), ("mlp", ("w_out",)))
+
+
+def panel_layout(params: Params) -> Params:
+    """`params` in `decode_layout` with the block matrices of each input (`SHARED_INPUT`)
+    that `PanelMajor.fits` (float32, read from memory) in panels, the layout the CPU panel
+    kernel reads; the rest as they are. A copy of those weights."""
+    def layer(p):
+        p = {**p, "attn": dict(p["attn"]), "mlp": dict(p["mlp"])}
+        for part, names in SHARED_INPUT:
+            ws = [p[part][n] for n in names if n in p[part]]
+            if all(isinstance(w, OutputMajor) for w in ws) and PanelMajor.fits(
+                    [w.w_OI for w in ws]):
+                p[part].update({n: PanelMajor(to_panels(p[part][n].w_OI))
+                                for n in names if n in p[part]})
+        return p
+
+    return {**params, "blocks": tuple(layer(p) for p in params["blocks"])}
+
+
+def output_layout(params: Params) -> Params:
+    """`params` with every `PanelMajor` block matrix back to `OutputMajor` (`panel_layout`
+    undone; a copy of those weights); params without panels come back unchanged."""
+    if not has_panels(params):
+        return params
+
+    def output_major(w):
+        return w.output_major() if isinstance(w, PanelMajor) else w
+
+    blocks = jax.tree.map(output_major, params["blocks"],
+                          is_leaf=lambda w: isinstance(w, Weight))
+    return {**params, "blocks": blocks}
+
+
+def has_panels(params: Params) -> bool:
+    """Whether `params` hold `PanelMajor` weights (made by `panel_layout`)."""
+    return any(isinstance(w, PanelMajor) for w in jax.tree.leaves(
+        params.get("blocks"), is_leaf=lambda w: isinstance(w, Weight)))
+
+
+def _in_layout(params: Params, panels: bool) -> bool:
+    """Whether decode-layout `params` have their block matrices as `panel_layout` (with
+    `panels`) or `output_layout` (without) would make them."""
+    if not panels:
+        return not has_panels(params)
+    return all(a is b for a, b in zip(jax.tree.leaves(panel_layout(params)),
+                                       jax.tree.leaves(params)))
+
+
 def quantize(params: Params, method: str | None) -> Params:
     """`params` (either layout) with every weight matrix quantized, for inference.
 
@@ -150,7 +202,7 @@ def quantize(params: Params, method: str | None) -> Params:
 
 @jax.jit
 def _quantize_int8(params: Params) -> Params:
-    params = decode_layout(jax.tree.map(lambda a: a.astype(jnp.float32), params))
+    params = output_layout(decode_layout(jax.tree.map(lambda a: a.astype(jnp.float32), params)))
 
     def int8(w):
         return Int8Weight.quantize(w.w_OI) if isinstance(w, OutputMajor) else w
@@ -186,7 +238,7 @@ def quantization_error(params: Params, quantized: Params) -> float:
 def _squared_relative_errors(params: Params, quantized: Params) -> jax.Array:
     """The sum of `quantization_error`'s `r_m^2`, a tied token embedding's twice."""
     quantized_leaves = jax.tree.leaves(quantized, is_leaf=lambda w: isinstance(w, Int8Weight))
-    original_leaves = jax.tree.leaves(decode_layout(params),
+    original_leaves = jax.tree.leaves(output_layout(decode_layout(params)),
                                       is_leaf=lambda w: isinstance(w, OutputMajor))
     total = jnp.zeros((), jnp.float32)
     for w, q in zip(original_leaves, quantized_leaves, strict=True):
@@ -211,12 +263,16 @@ def is_quantized(params: Params) -> bool:
 
 
 def inference_params(params: Params, config: GPTConfig, dtype="float32",
-                     quantize_method: str | None = None) -> Params:
+                     quantize_method: str | None = None, panels: bool = True) -> Params:
     """`params` as `inference.LLM` and `inference.Engine` run them, made once: checked
     against `config`, cast to `dtype` (the float dtype of the weights and KV cache), in
     `decode_layout`, and quantized by `quantize_method` (see `quantize`). Quantized, the
     float params stay float32 whatever `dtype` (then only the KV cache's dtype). Params
-    already quantized stay so (as if `quantize_method` were "int8"). On one CPU device the
+    already quantized stay so (as if `quantize_method` were "int8"). With `panels`, float32
+    and unquantized, where the panel kernel runs (the default backend is the CPU and
+    `gpt_jax.kernels.panel_matmul.use_kernel()`), the large block matrices are laid out in
+    panels (`panel_layout`: faster decode steps of several rows); pass False for params to
+    be sharded over several devices (`gpt_jax.tensor_parallel`). On one CPU device the
     result is packed into transparent huge pages (`gpt_jax.huge_pages.pack`: the decode
     step reads them faster).
 
@@ -227,17 +283,21 @@ def inference_params(params: Params, config: GPTConfig, dtype="float32",
     check_quantize(quantize_method)
     check_params(params, config)
     dtype = jnp.dtype(dtype)
+    panels = (panels and quantize_method is None and dtype == jnp.float32
+              and jax.default_backend() == "cpu" and panel_kernel.use_kernel())
     if is_quantized(params) or (quantize_method is None and decode_layout(params) is params
-                                and {a.dtype for a in jax.tree.leaves(params)} == {dtype}):
+                                and {a.dtype for a in jax.tree.leaves(params)} == {dtype}
+                                and _in_layout(params, panels)):
         return huge_pages.pack(params)  # made so already (an LLM's, given to its Engine)
-    return huge_pages.pack(_inference_params(params, dtype, quantize_method))
+    return huge_pages.pack(_inference_params(params, dtype, quantize_method, panels))
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "quantize_method"))
-def _inference_params(params: Params, dtype, quantize_method) -> Params:
+@functools.partial(jax.jit, static_argnames=("dtype", "quantize_method", "panels"))
+def _inference_params(params: Params, dtype, quantize_method, panels) -> Params:
     if quantize_method is not None:
         return quantize(params, quantize_method)
-    return decode_layout(jax.tree.map(lambda a: a.astype(dtype), params))
+    params = output_layout(decode_layout(jax.tree.map(lambda a: a.astype(dtype), params)))
+    return panel_layout(params) if panels else params
 
 
 @functools.lru_cache(maxsize=32)
@@ -245,6 +305,8 @@ def _expected_shapes(config: GPTConfig, layout: str):
     shapes = jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0))
     if layout == "int8":
         return jax.eval_shape(lambda p: quantize(p, "int8"), shapes)
+    if layout == "panels":
+        return jax.eval_shape(lambda p: panel_layout(decode_layout(p)), shapes)
     return jax.eval_shape(decode_layout, shapes) if layout == "decode" else shapes
 
 
@@ -258,7 +320,7 @@ def check_params(params: Params, config: GPTConfig) -> None:
         weights), or a parameter the config's model has not (a position table with rotary
         positions), before anything is traced with them.
     """
-    layout = "int8" if is_quantized(params) else \
+    layout = "int8" if is_quantized(params) else "panels" if has_panels(params) else \
         "decode" if isinstance(params.get("blocks"), tuple) else "stacked"
     expected = jax.tree_util.tree_flatten_with_path(_expected_shapes(config, layout))[0]
     actual = jax.tree_util.tree_flatten_with_path(params)[0]

@@ -37,7 +37,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from gpt_jax import model
 from gpt_jax.cache import PagedKVCache, cache_bytes
 from gpt_jax.config import GPTConfig
-from gpt_jax.layers import Int8Weight, OutputMajor, Weight
+from gpt_jax.layers import Int8Weight, OutputMajor, Weight, to_panels
 
 MODEL = "model"  # the mesh axis the heads and the MLP width are split along
 COLUMN = ("w_q", "w_k", "w_v", "w_gate", "w_in", "b_q", "b_k", "b_v", "b_gate", "b_in")
@@ -96,11 +96,7 @@ def kv_replicas(config: GPTConfig, n: int) -> int:
 def _repeat_heads(w, heads: int, r: int, axis: int):
     """`w` with each of its `heads` head blocks along `axis` repeated `r` times in place."""
     if isinstance(w, Int8Weight):  # the same int8 values and scales, re-cut into panels
-        q_OI = _repeat_heads(w.values_OI(), heads, r, 0)
-        O, I = q_OI.shape
-        n_panels = -(-O // Int8Weight.PANEL)
-        q_OI = jnp.pad(q_OI, ((0, n_panels * Int8Weight.PANEL - O), (0, 0)))
-        return Int8Weight(jnp.swapaxes(q_OI.reshape(n_panels, Int8Weight.PANEL, I), 1, 2),
+        return Int8Weight(to_panels(_repeat_heads(w.values_OI(), heads, r, 0)),
                           _repeat_heads(w.scale_O, heads, r, 0))
     if isinstance(w, OutputMajor):
         return OutputMajor(_repeat_heads(w.w_OI, heads, r, 0))

@@ -180,7 +180,8 @@ class Engine:
         max_pages = kv.pages_for(config.max_seq_len, page_size)
         num_pages = _pool_pages(config, max_slots * max_pages, num_pages, kv_cache_bytes,
                                 page_size, dtype)
-        self.params = inference_params(params, model_config, dtype, quantize)
+        self.params = inference_params(params, model_config, dtype, quantize,
+                                       panels=mesh is None)
         if mesh is not None:  # Megatron-style
             self.params, _ = tensor_parallel.shard_params(self.params, model_config, mesh)
         self.config, self.tokenizer, self.cache_dtype = config, tokenizer, dtype

@@ -30,7 +30,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from gpt_jax.kernels import causal_attention, few_rows_matmul, int8_matmul, paged_attention
+from gpt_jax.kernels import causal_attention, few_rows_matmul, paged_attention, panel_matmul
 from inference import compile_cache
 from inference.batching import engine_decode, engine_prefill
 from inference.mixed import engine_mixed
@@ -39,7 +39,8 @@ PACKAGES = ("gpt_jax", "inference")  # whose source keys every artifact
 # The CPU kernels' FFI targets, and what registers each (tracing a program registers the
 # kernels it calls; a deserialized program was not traced here).
 KERNELS = {paged_attention.TARGET: paged_attention.available,
-           int8_matmul.TARGET: int8_matmul.available,
+           panel_matmul.TARGET: panel_matmul.available,
+           panel_matmul.F32_TARGET: panel_matmul.available,
            few_rows_matmul.TARGET: few_rows_matmul.available,
            causal_attention.FORWARD: causal_attention.available,
            causal_attention.BACKWARD: causal_attention.available}

@@ -141,7 +141,8 @@ class LLM:
         self.cache_dtype = jnp.dtype(name)
         # The decode layout (and quantization) once, here: inside each compiled call it
         # would copy every weight.
-        self.params = inference_params(params, config, self.cache_dtype, quantize)
+        self.params = inference_params(params, config, self.cache_dtype, quantize,
+                                       panels=mesh is None)
         self.quantize = quantize
         self.config, self.tokenizer = config, tokenizer
         self.chat_template = (ChatTemplate(chat_template) if isinstance(chat_template, str)

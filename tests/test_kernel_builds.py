@@ -25,7 +25,8 @@ BUILDS = {
 # One case of each kernel's equality test per tile path: paged decode attention (grouped-
 # query, float32 and bfloat16), causal attention forward and backward (grouped-query, T off
 # the tiles), int8 matmul (whole tiles with rows and panels left over; a GPT-2 vocabulary),
-# the few-rows matmul (inputs off its vectors; several weights over the thread pool, 1 to 8 rows).
+# the few-rows matmul (inputs off its vectors; several weights over the thread pool, 1 to 8 rows),
+# float32 panels (inputs off the vectors, a tile of rows and one left over; several weights).
 TESTS = [
     "tests/test_kernel_paged_attention.py::test_kernel_batch_equals_full_attention_row_by_row"
     "[2-float32-64]",
@@ -38,6 +39,9 @@ TESTS = [
     "tests/test_quantize.py::test_kernel_equals_xla_and_both_stay_within_the_rounding_bound"
     "[8-96-50257]",
     "tests/test_kernel_few_rows.py::test_kernel_equals_xla_alone_and_vmapped[2-37-29]",
+    "tests/test_panels.py::test_float32_panel_kernel_equals_the_exact_product_alone_and_vmapped"
+    "[17-96-112]",
+    "tests/test_panels.py::test_several_weights_in_one_call_and_xlas_contraction_equal_the_products",
     "tests/test_kernel_few_rows.py::test_several_weights_in_one_call_equal_xla_for_1_to_8_rows",
 ]
 
@@ -52,7 +56,7 @@ def test_the_older_instruction_set_builds_equal_xla(build, tmp_path):
     assert f"{len(TESTS)} passed" in run.stdout, run.stdout[-2000:]
     libraries = sorted((tmp_path / "gpt-jax").glob("*.so"))
     assert {p.name.split("-")[0] for p in libraries} >= {
-        "paged_attention", "causal_attention", "int8_matmul"}, libraries
+        "paged_attention", "causal_attention", "panel_matmul"}, libraries
     for library in libraries:
         code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)],
                               capture_output=True, text=True, check=True).stdout

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import assert_close
 from gpt_jax import GPTConfig, forward, init_cache, init_params, kernels
-from gpt_jax.kernels import int8_matmul as int8_kernel
+from gpt_jax.kernels import panel_matmul as panel_kernel
 from gpt_jax.layers import Int8Weight, int8_matmul
 from gpt_jax.params import QUANTIZE, check_params, quantization_error, quantize
 from gpt_jax.tokenizer import CharTokenizer
@@ -82,7 +82,7 @@ def _quantized(O, I):
 
 
 @pytest.mark.parametrize("M,I,O", [
-    # Tiles (kernels/int8_matmul.cc `panels`): three 16-channel panels by eight rows with AVX-512, one
+    # Tiles (kernels/panel_matmul.cc `panels`): three 16-channel panels by eight rows with AVX-512, one
     # panel by six rows with AVX2; one or two rows panel by panel; rows left over as a
     # smaller tile, panels left over one at a time.
     (1, 37, 29), (2, 37, 29), (3, 37, 29), (8, 37, 29), (13, 37, 29),  # 2 panels: left over
@@ -93,13 +93,13 @@ def _quantized(O, I):
     (1, 96, 50257), (8, 96, 50257),  # GPT-2's vocabulary: 3142 panels, the last one partial
 ])
 def test_kernel_equals_xla_and_both_stay_within_the_rounding_bound(M, I, O, monkeypatch):
-    assert int8_kernel.available(), "the CPU int8 kernel did not build"
+    assert panel_kernel.available(), "the CPU int8 kernel did not build"
     x = np.random.default_rng(M).normal(size=(M, I)).astype(np.float32)
     w, q = _quantized(O, I)
-    kernel = jax.jit(int8_kernel.int8_matmul)(x, q.values, q.scale_O)
-    vmapped = jax.jit(jax.vmap(int8_kernel.int8_matmul, in_axes=(0, None, None)))(
+    kernel = jax.jit(panel_kernel.int8_matmul)(x, q.values, q.scale_O)
+    vmapped = jax.jit(jax.vmap(panel_kernel.int8_matmul, in_axes=(0, None, None)))(
         x[:, None], q.values, q.scale_O)[:, 0]  # one call for the batch of M rows
-    monkeypatch.setattr(int8_kernel, "available", lambda: False)
+    monkeypatch.setattr(panel_kernel, "available", lambda: False)
     xla = jax.jit(lambda x, q: int8_matmul(x, q))(x, q)  # a fresh function: traced anew
     # Float rounding: a float32 sum of I products is off by at most ~I ulps of the sum of
     # their magnitudes (~sqrt(I) typically); the paths add in different orders.
@@ -145,7 +145,7 @@ def test_decode_reads_int8_weights_through_the_kernel_and_equals_the_xla_path(mo
     assert hlo[0].count('custom_call_target="gpt_jax_int8_matmul"') == 4 * SMALL.n_layers + 1
     panels = set(re.findall(r"s8\[(\d+,\d+,16)\]", hlo[0]))  # the int8 weights [P, I, 16]
     assert len(panels) >= 4 and not [p for p in panels if f"f32[{p}]" in hlo[0]], panels
-    monkeypatch.setattr(int8_kernel, "available", lambda: False)
+    monkeypatch.setattr(panel_kernel, "available", lambda: False)
     run_xla = jax.jit(lambda p, t: forward.__wrapped__(p, t, SMALL))  # traced anew: XLA's path
     full = np.asarray(run_xla(params, jnp.asarray([tokens])), np.float64)[0]
     assert "gpt_jax_int8_matmul" not in run_xla.lower(params, jnp.asarray([tokens])).as_text()
@@ -159,8 +159,8 @@ def test_a_portable_program_calls_no_kernel():
     x = jnp.ones((3, 37), jnp.float32)
     with kernels.portable():
         hlo = jax.jit(lambda x, q: int8_matmul(x, q)).lower(x, q).as_text()
-    assert int8_kernel.TARGET not in hlo
-    assert int8_kernel.TARGET in jax.jit(lambda x, q: int8_matmul(x, q)).lower(x, q).as_text()
+    assert panel_kernel.TARGET not in hlo
+    assert panel_kernel.TARGET in jax.jit(lambda x, q: int8_matmul(x, q)).lower(x, q).as_text()
 
 
 # ------------------------------------------------------------- quality against float32

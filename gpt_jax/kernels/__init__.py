@@ -2,7 +2,8 @@
 
   paged_attention   decode attention over a paged KV cache (`paged_attention.cc`)
   causal_attention  the training path's causal attention, forward and backward
-  int8_matmul       weight-only int8 matmul (`gpt_jax.layers.Int8Weight`)
+  panel_matmul      matmuls by weights in panels of 16 channels: int8 (`gpt_jax.layers.Int8Weight`)
+                    and float32 (`gpt_jax.layers.PanelMajor`)
   few_rows_matmul   float32 products of a few rows (a batch-1 decode step, a verification)
   builder           compile, cache and register them (`common.h` is their shared header)
 

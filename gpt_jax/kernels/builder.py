@@ -1,6 +1,6 @@
 """Build, cache and register the native CPU kernels (XLA FFI custom calls), shared by
 `gpt_jax.kernels.paged_attention` (paged decode attention), `gpt_jax.kernels.causal_attention`
-(the training path's attention, forward and backward) and `gpt_jax.kernels.int8_matmul`.
+(the training path's attention, forward and backward) and `gpt_jax.kernels.panel_matmul`.
 
 Each kernel is one C++ source beside this file, which may include the shared header
 `common.h` (the thread-pool loop and vector helpers). It is compiled on first use

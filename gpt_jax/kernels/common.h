@@ -1,4 +1,4 @@
-// Shared by the native CPU kernels (paged_attention.cc, causal_attention.cc, int8_matmul.cc,
+// Shared by the native CPU kernels (paged_attention.cc, causal_attention.cc, panel_matmul.cc,
 // few_rows_matmul.cc): a parallel loop over XLA:CPU's intra-op thread pool, eight-float vector
 // helpers and the widest float vector with its fused multiply-add. Built
 // into each kernel by gpt_jax/kernels/builder.py (its text is part of every kernel's cache key).

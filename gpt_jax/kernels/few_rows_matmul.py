@@ -6,7 +6,11 @@ for the products of a forward traced within `rows_per_call(B)` (the decode step,
 whose weights are read from memory, and a verification's 2 to `MAX_ROWS` rows in all over
 weights that stay in cache. Several weights that multiply the same input (a layer's q, k and
 v, or gate and up) go in one call (`few_rows_matmuls`), whose threads share the channels of
-all of them; the weights keep their `[O, I]` layout.
+all of them; the weights keep their `[O, I]` layout. Where `inference_params` lays the large
+float32 block matrices out in panels (`gpt_jax.layers.PanelMajor`, on CPU), the panel kernel
+runs those; this one then runs the output projection by the embedding table `[V, D]` and
+the `OutputMajor` matrices left (a verification's small ones, `generate` on plain
+`decode_layout` params).
 
 Why: a product of so few rows is bound by reading its weights, or for weights in cache by
 its calls. XLA:CPU (jax 0.10) emits a one-row product (a decode step's at batch 1) inline on
