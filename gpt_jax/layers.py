@@ -259,9 +259,9 @@ class PanelMajor(Weight):
     panel's channels are consecutive, so a product reads memory strictly in order, one
     panel at a time. On CPU the panel kernel (`gpt_jax.kernels.panel_matmul`) computes
     `x @ w^T` in the outer-product form (each input of a row broadcast and multiplied into
-    a panel's 16 channels), which outruns XLA's products of `OutputMajor` weights at 2 to
-    16 rows (the decode steps of a few sequences; figures in benchmarks/README.md, "Float32
-    panels"). Elsewhere (GPU, TPU, a `gpt_jax.kernels.portable()` program) XLA contracts the
+    a panel's 16 channels), which outruns XLA's products of `OutputMajor` weights at 4 to
+    32 rows (the decode steps of a few sequences) and at a prefill's rows, and matches the
+    few-rows kernel at one row (figures in benchmarks/README.md, "Float32 panels"). Elsewhere (GPU, TPU, a `gpt_jax.kernels.portable()` program) XLA contracts the
     panels directly; `gpt_jax.params.inference_params` makes them only where the kernel runs.
     """
 

@@ -4,7 +4,8 @@ Parameters are a nested dict of arrays; the per-layer weights under "blocks" are
 along a leading L axis so the layers run as one `lax.scan` (training). Inference runs them in
 `decode_layout` (layers unstacked, block matrices `OutputMajor`; on CPU the large float32
 ones in panels, `panel_layout`: `PanelMajor`s), or quantized to int8 (`quantize`:
-`Int8Weight`s); `inference_params` makes them once, for `inference.LLM` and `inference.Engine`. The model takes every layout (`gpt_jax.layers.as_weight`).
+`Int8Weight`s); `inference_params` makes them once, for `inference.LLM` and
+`inference.Engine`. The model takes every layout (`gpt_jax.layers.as_weight`).
 """
 
 from __future__ import annotations
