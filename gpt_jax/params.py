@@ -134,18 +134,27 @@ SHARED_INPUT = (("attn", ("w_q", "w_k", "w_v")), ("attn", ("w_o",)),
                 ("mlp", ("w_gate", "w_in")), ("mlp", ("w_out",)))
 
 
+def _panel_groups(layer: dict) -> list[tuple[str, list[str]]]:
+    """The (part, names) of one decode-layout layer's `SHARED_INPUT` groups still
+    `OutputMajor` that `PanelMajor.fits`: what `panel_layout` converts."""
+    groups = []
+    for part, names in SHARED_INPUT:
+        names = [n for n in names if n in layer[part]]
+        ws = [layer[part][n] for n in names]
+        if all(isinstance(w, OutputMajor) for w in ws) and PanelMajor.fits(
+                [w.w_OI for w in ws]):
+            groups.append((part, names))
+    return groups
+
+
 def panel_layout(params: Params) -> Params:
     """`params` in `decode_layout` with the block matrices of each input (`SHARED_INPUT`)
     that `PanelMajor.fits` (float32, read from memory) in panels, the layout the CPU panel
     kernel reads; the rest as they are. A copy of those weights."""
     def layer(p):
         p = {**p, "attn": dict(p["attn"]), "mlp": dict(p["mlp"])}
-        for part, names in SHARED_INPUT:
-            ws = [p[part][n] for n in names if n in p[part]]
-            if all(isinstance(w, OutputMajor) for w in ws) and PanelMajor.fits(
-                    [w.w_OI for w in ws]):
-                p[part].update({n: PanelMajor(to_panels(p[part][n].w_OI))
-                                for n in names if n in p[part]})
+        for part, names in _panel_groups(p):
+            p[part].update({n: PanelMajor(to_panels(p[part][n].w_OI)) for n in names})
         return p
 
     return {**params, "blocks": tuple(layer(p) for p in params["blocks"])}
@@ -176,8 +185,7 @@ def _in_layout(params: Params, panels: bool) -> bool:
     `panels`) or `output_layout` (without) would make them."""
     if not panels:
         return not has_panels(params)
-    return all(a is b for a, b in zip(jax.tree.leaves(panel_layout(params)),
-                                       jax.tree.leaves(params)))
+    return not any(_panel_groups(p) for p in params["blocks"])  # checked, nothing copied
 
 
 def quantize(params: Params, method: str | None) -> Params:
