@@ -12,7 +12,7 @@ tokens), saved once with `save_hf_gpt2` + tokenizer.json; both servers load that
 Neither has an EOS id, so every request generates exactly its max_tokens (greedy).
 
 Workload per rate: --requests arrivals, Poisson at the rate (requests/s), prompts cut from
-the corpus with token lengths uniform in [--prompt-min, --prompt-max], max_tokens uniform in
+the corpus (other prompts at each rate, the same for both servers) with token lengths uniform in [--prompt-min, --prompt-max], max_tokens uniform in
 [--out-min, --out-max]; a request not finished --time-limit seconds after the first was sent
 counts as failed. Figures per server and rate: generated tokens/s (all tokens / (last finish
 - first send)), time to first token (TTFT) and inter-token latency (ITL, per request: (last
@@ -225,9 +225,9 @@ def stop(server: Server) -> None:
         server.proc.kill()
 
 
-def measure(server: Server, rate: float, args) -> dict:
-    """One rate's workload against one server; py-spy samples gpt-jax at the highest rate
-    when --profile is given."""
+def measure(server: Server, rate: float, seed: int, args) -> dict:
+    """One rate's workload (seeded by `seed`) against one server; py-spy samples gpt-jax at
+    the highest rate when --profile is given."""
     spy = None
     if args.profile and server.name == "gpt-jax" and rate == max(args.rates):
         raw = args.log_dir / "py-spy.txt"
@@ -235,7 +235,7 @@ def measure(server: Server, rate: float, args) -> dict:
                                 "--pid", str(server.proc.pid), "--format", "raw", "--threads",
                                 "--rate", str(SPY_HZ), "--output", str(raw)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = asyncio.run(replay(server.base_url, server.model, workload(args, rate, seed=0),
+    records = asyncio.run(replay(server.base_url, server.model, workload(args, rate, seed),
                                  args.time_limit))
     row = {"server": server.name, "rate": rate, **figures(records)}
     if spy is not None:
@@ -251,7 +251,9 @@ def measure(server: Server, rate: float, args) -> dict:
 def run(args) -> list[dict]:
     """Every server up (started one after another), then each rate against each server in
     turn, the order alternating from rate to rate: a machine that gets busier or quieter
-    during the run slows both alike."""
+    during the run slows both alike. Each rate has its own prompts (seeded by its index):
+    both servers cache prefixes, and a rate that repeated an earlier one's prompts would be
+    served from that cache."""
     servers: list[Server] = []
     rows = []
     try:
@@ -259,7 +261,7 @@ def run(args) -> list[dict]:
             servers.append(launch(name, args))
         for i, rate in enumerate(args.rates):
             for server in servers if i % 2 == 0 else servers[::-1]:
-                rows.append(measure(server, rate, args))
+                rows.append(measure(server, rate, i, args))
     finally:
         for server in servers:
             stop(server)
