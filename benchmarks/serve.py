@@ -14,12 +14,12 @@ Neither has an EOS id, so every request generates exactly its max_tokens (greedy
 Workload per rate: --requests arrivals, Poisson at the rate (requests/s), prompts cut from
 the corpus (other prompts at each rate, the same for both servers) with token lengths
 uniform in [--prompt-min, --prompt-max], max_tokens uniform in [--out-min, --out-max]; a
-request not finished --time-limit seconds after the first was sent counts as failed.
-Figures per server and rate: generated tokens/s (all tokens / (last finish - first send)), time to first token (TTFT) and inter-token latency (ITL, per request: (last
-- first chunk time) / (tokens - 1)) p50 and p99, failed requests. Each server is warmed up
-(its programs compiled) by a few requests before the first timed rate; an idle server
-waits without using the CPU. Traffic goes to
-127.0.0.1 only.
+request not finished --time-limit seconds after the first was sent counts as failed. Figures
+per server and rate: generated tokens/s (all tokens / (last finish - first send)), time to
+first token (TTFT) and inter-token latency (ITL, per request: (last - first chunk time) /
+(tokens - 1)) p50 and p99, failed requests. Each server is warmed up (its programs compiled)
+by a few requests before the first timed rate; an idle server waits without using the CPU.
+Traffic goes to 127.0.0.1 only.
 """
 
 from __future__ import annotations
