@@ -261,8 +261,9 @@ class PanelMajor(Weight):
     `x @ w^T` in the outer-product form (each input of a row broadcast and multiplied into
     a panel's 16 channels), which outruns XLA's products of `OutputMajor` weights at 4 to
     32 rows (the decode steps of a few sequences) and at a prefill's rows, and matches the
-    few-rows kernel at one row (figures in benchmarks/README.md, "Float32 panels"). Elsewhere (GPU, TPU, a `gpt_jax.kernels.portable()` program) XLA contracts the
-    panels directly; `gpt_jax.params.inference_params` makes them only where the kernel runs.
+    few-rows kernel at one row (figures in benchmarks/README.md, "Float32 panels").
+    Elsewhere (GPU, TPU, a `gpt_jax.kernels.portable()` program) XLA contracts the panels
+    directly; `gpt_jax.params.inference_params` makes them only where the kernel runs.
     """
 
     values: jax.Array  # float32 [O / 16, I, 16], channel o at [o // 16, :, o % 16]
