@@ -262,12 +262,13 @@ def test_serve_slots_share_a_pool_of_sixteen_contexts(config, params):
     assert serve_engine(config, params, "--kv-cache-bytes", str(3 * one)).num_pages == 3
 
 
-def test_a_prefill_call_takes_the_smallest_listed_shape_that_holds_it():
+def test_a_prefill_call_takes_the_smallest_listed_shape_that_holds_it(config, params):
     """The defaults' prefill shapes (16 slots, 128-token budget, 64-token chunks): a call
     of 2 or 3 rows pads to a listed row count, never to an unlisted power of two."""
-    shapes = [(1, 16), (8, 16), (1, 32), (4, 32), (1, 64), (2, 64)]
+    shapes = [(8, 16), (1, 32), (4, 32), (1, 64), (2, 64)]
+    assert Engine(params, config).scheduler.prefill_shapes() == shapes
     chunks = lambda *ns: [PrefillWork(None, 0, n) for n in ns]  # noqa: E731
-    assert prefill_shape(shapes, chunks(10)) == (1, 16)
+    assert prefill_shape(shapes, chunks(10)) == (1, 32)  # no lone row at 16 (12 programs)
     assert prefill_shape(shapes, chunks(20)) == (1, 32)
     assert prefill_shape(shapes, chunks(10, 12)) == (2, 64)  # 128 tokens, the fewest rows
     assert prefill_shape(shapes, chunks(10, 12, 16)) == (4, 32)
