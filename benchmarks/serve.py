@@ -87,8 +87,9 @@ def free_port() -> int:
 def start(name: str, args, port: int) -> subprocess.Popen:
     if name == "gpt-jax":
         command = [sys.executable, "-m", "gpt_jax.cli", "serve", "--hf-checkpoint",
-                   str(args.model_dir), "--port", str(port), "--max-slots",
-                   str(args.max_slots), "--max-queue", "4096", "--served-model-name", "model",
+                   str(args.model_dir), "--port", str(port), "--max-queue", "4096",
+                   "--served-model-name", "model",
+                   *(["--max-slots", str(args.max_slots)] if args.max_slots else []),
                    *(["--mixed-steps"] if args.mixed_steps else [])]
     else:
         command = [str(Path(sys.executable).with_name("transformers")), "serve",
@@ -290,7 +291,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-max", type=int, default=128)
     p.add_argument("--out-min", type=int, default=16)
     p.add_argument("--out-max", type=int, default=64)
-    p.add_argument("--max-slots", type=int, default=16, help="gpt-jax serve --max-slots")
+    p.add_argument("--max-slots", type=int, default=None,
+                   help="gpt-jax serve --max-slots (default: serve's)")
     p.add_argument("--mixed-steps", action="store_true", help="gpt-jax serve --mixed-steps")
     p.add_argument("--name", default="serve-load", help="results file name under results/")
     p.add_argument("--vocab-size", type=int, default=8192)

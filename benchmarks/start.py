@@ -2,7 +2,7 @@
 an empty compilation cache (cold) and with the cache the previous start left (warm), and
 whether `jax.export` artifacts load an engine program faster than the cache does.
 
-    gpt-jax bench start [--models shakespeare-char gpt2] [--rounds 2] [--slots 16]
+    gpt-jax bench start [--models shakespeare-char gpt2] [--rounds 2] [--slots 64]
     gpt-jax bench start --part export [--models shakespeare-char gpt2] [--rounds 5]
 
 serve: per model shape (random weights, a tokenizer of one character per id), rounds of a
@@ -155,7 +155,7 @@ def main(argv=None) -> None:
     p.add_argument("--part", choices=("serve", "export"), default="serve")
     p.add_argument("--models", nargs="+", default=["shakespeare-char", "gpt2"])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--slots", type=int, default=64, help="serve's --max-slots (its default)")
     args = p.parse_args(argv)
     load = os.getloadavg()
     run = serve_starts if args.part == "serve" else export_vs_cache

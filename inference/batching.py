@@ -78,10 +78,11 @@ def engine_prefill(params, config, state: DecodeState, page_table, batch: Prefil
 
 def decode_rows(n: int, max_slots: int) -> int:
     """Rows a decode chunk runs to cover slots 0..n-1: powers of two up to 8, then halfway
-    steps (12, 16, 24, 32, 48, ...), at most `max_slots`. Halfway steps keep a 17th request
-    from doubling the step of 16 (benchmarks/README.md, "Serving") for two programs per
-    doubling."""
-    if n <= 8:
+    steps (12, 16, 24, 32), at most `max_slots`. Halfway steps keep a 17th request from
+    doubling the step of 16 (benchmarks/README.md, "Serving") for two programs per
+    doubling; with more than 32 slots (`serve`'s 64), powers of two only, so that the
+    warmup stays within 12 programs (issue 39)."""
+    if n <= 8 or max_slots > 32:
         return min(max_slots, bucket(n))
     step = bucket(n) // 4  # two steps from the power of two below n to the one above
     return min(max_slots, -(-n // step) * step)

@@ -84,7 +84,9 @@ class Engine:
     every running request (gathered compactly) as one compiled `lax.scan`. With both to do, a
     mixed chunk (`inference.mixed`) runs a prompt chunk with the first of CHUNK decode steps
     of every running request in one call (without mixed steps, or for speculative rows or
-    "crop" rows near the context, prefill and decode chunks take turns). When the pages cannot hold
+    "crop" rows near the context, a prefill call that completes prompts runs first, and
+    one that only advances a long prompt takes turns with the decode chunks:
+    `Scheduler.schedule`). When the pages cannot hold
     the next chunk of every running request, the most recently admitted request is
     preempted (pages freed, output kept) and recomputed when a slot and pages free up. The
     engine runs the plan's program; the scheduler advances the sequences from what it

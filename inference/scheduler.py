@@ -117,9 +117,12 @@ class Scheduler:
     hands over the requests that are done.
 
     Policy: waiting sequences are admitted first come first served while their tokens fit
-    the free pages (`admit`); with prompts to prefill and sequences running, a step
-    prefills (`prefill_work`) and the next decodes, turn about, so prompts arriving or
-    loading never stall the running sequences for more than one prefill call in a row; a
+    the free pages (`admit`); with prompts to prefill and sequences running, a prefill
+    call (`prefill_work`) that completes prompts runs before any decode chunk (their first
+    token; a burst of arrivals is prefilled first, as vLLM v0 orders it, until the slots
+    are full), while one that only advances a long prompt takes turns with the decode
+    chunks, so a long prompt never stalls the running sequences for more than one prefill
+    call in a row; a
     decode chunk that the free pages cannot hold preempts the most recently admitted
     sequence until the rest fit (`reserve_decode`)."""
 
@@ -166,9 +169,13 @@ class Scheduler:
 
     def schedule(self, mixed: bool = False) -> SchedulerPlan:
         """Admit waiting sequences, then plan the step: a prefill call when prompts wait for
-        one, unless sequences run and the last step prefilled (then they decode: the two
-        take turns); else a decode chunk for every running sequence, preempting as pages
-        require (all of them, in a corner case: then nothing runs). With `mixed` (the engine
+        one, unless sequences run, the last step prefilled and this call would complete no
+        prompt (then they decode: a long prompt's chunks and decode chunks take turns); else
+        a decode chunk for every running sequence, preempting as pages require (all of
+        them, in a corner case: then nothing runs). Calls that complete prompts run back to
+        back (vLLM v0's prefill-first order: each gives its prompts their first token), at
+        most until every slot is taken: arrivals cannot starve the running sequences past
+        the slots they fill. With `mixed` (the engine
         runs mixed steps, `inference.mixed`), prompts go in as `mixed_work` and, when every
         running sequence can (`mixable`), one call prefills and decodes a chunk of
         `decode_chunk` tokens of each of them (a mixed step, then decode steps: stall-free
@@ -181,7 +188,8 @@ class Scheduler:
             return SchedulerPlan(prefill=self.mixed_work(len(decode)), decode=decode,
                                  preempted=preempted, mixed=True)
         work = self.mixed_work(0) if mixed else self.prefill_work()
-        if work and not (self.running() and self.last_step_prefilled):
+        completes = any(w.completes for w in work)
+        if work and not (self.running() and self.last_step_prefilled and not completes):
             self.last_step_prefilled = True
             return SchedulerPlan(prefill=work, mixed=mixed)
         if not self.running():
@@ -230,10 +238,13 @@ class Scheduler:
 
     def admit(self) -> None:
         """Move waiting sequences into free slots, first come first served, while their
-        prompt (and, for a preempted one, its output so far) fits the free pages. A sequence
-        whose next prefix page is being prefilled by an admitted one (requests with the same
-        prefix arriving together; the n samples of a request) waits until it is written, so
-        it shares the page instead of computing it again."""
+        prompt (and, for a preempted one, its output so far) fits the free pages beyond
+        those the running sequences' next decode chunk needs (vLLM's watermark: a sequence
+        preempted for pages is not admitted back into them, to be preempted again after its
+        recompute). A sequence whose next prefix page is being prefilled by an admitted one
+        (requests with the same prefix arriving together; the n samples of a request) waits
+        until it is written, so it shares the page instead of computing it again."""
+        reserve = sum(self._pages_wanted(s, self.decode_chunk) for s in self.running())
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
             # A "crop" request past the context (preempted) resumes from its last max_seq_len
@@ -245,7 +256,8 @@ class Scheduler:
                 return
             needed = self._pages_for(len(target)) - len(hits)
             # hits that are evictable are no longer free once retained
-            if needed + sum(self.pool.refs[p] == 0 for p in hits) > self.pool.num_free():
+            if needed + sum(self.pool.refs[p] == 0 for p in hits) + reserve > \
+                    self.pool.num_free():
                 return
             self.waiting.popleft()
             for page in hits:
@@ -268,8 +280,10 @@ class Scheduler:
         `max_prefill_tokens` and `prefill_chunk_tokens`), and for each T one row (a lone
         prompt: no padding rows) or the most rows, a power of two up to the bucket of
         max_slots, with rows x T at most `max_prefill_tokens` (several prompts: the call's
-        whole budget). Two row counts per T, not every power of two, keep the warmup at 12
-        programs for the defaults (issue 39); by T, then rows, ascending."""
+        whole budget). Two row counts per T, not every power of two, and no lone row at
+        T = 16 below a longer T (a lone prompt of at most 16 tokens pads to 32) keep the
+        warmup within 12 programs for the Engine's and `serve`'s defaults (issue 39); by
+        T, then rows, ascending."""
         budget = self.max_prefill_tokens
         longest = bucket(min(budget, self.prefill_chunk_tokens), MIN_PROMPT_BUCKET)
         shapes, T = [], MIN_PROMPT_BUCKET
@@ -277,7 +291,8 @@ class Scheduler:
             most = 1
             while most * 2 <= bucket(self.max_slots) and most * 2 * T <= budget:
                 most *= 2
-            shapes += [(rows, T) for rows in sorted({1, most})]
+            lone = T > MIN_PROMPT_BUCKET or T == longest or most == 1
+            shapes += [(rows, T) for rows in sorted({1, most}) if rows == most or lone]
             T *= 2
         return shapes
 

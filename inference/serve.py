@@ -22,7 +22,7 @@ import jax
 import uvicorn
 
 from gpt_jax import tensor_parallel
-from gpt_jax.cache import cache_bytes
+from gpt_jax.cache import cache_bytes, pages_for
 from inference import compile_cache, exported, multihost
 from inference.chat import ChatTemplate
 from inference.draft_engine import add_draft_args, load_draft
@@ -46,6 +46,10 @@ def parse_origins(values: list[str] | None) -> tuple[str, ...]:
                              "scheme://host[:port] (no path), or * for any")
     return origins
 
+
+# Default page pool of `serve`: this many sequences of the model's context (the Engine's own
+# default, every slot holding its context, would be 4x the memory at serve's 64 slots).
+POOL_SEQUENCES = 16
 
 DESCRIPTION = r"""An OpenAI-compatible HTTP server for a trained run (--run-dir) or a Hugging Face
 directory (--hf-checkpoint):
@@ -83,10 +87,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the run or checkpoint "
                         "directory's name)")
-    p.add_argument("--max-slots", type=int, default=16, help="samples decoded at once")
+    p.add_argument("--max-slots", type=int, default=64,
+                   help="samples decoded at once (they share the page pool)")
+    p.add_argument("--max-prefill-tokens", type=int, default=256,
+                   help="most prompt tokens per prefill call")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV page pool size in bytes (default: every slot can hold the "
-                        "model's context)")
+                   help=f"KV page pool size in bytes (default: {POOL_SEQUENCES} sequences of "
+                        "the model's context, or --max-slots if fewer; the slots share it)")
     p.add_argument("--mixed-steps", action="store_true",
                    help="prefill prompt chunks inside the running requests' decode chunks "
                         "(one program per row and token bucket; not with --tensor-parallel)")
@@ -122,7 +129,8 @@ def main(argv=None) -> None:
     """`gpt-jax serve ARGV`: the flags checked, the port taken, the model loaded, then the
     app served until SIGTERM or Ctrl-C."""
     args = parse_args(argv)
-    for name, low, high in (("max_slots", 1, None), ("max_queue", 0, None),
+    for name, low, high in (("max_slots", 1, None), ("max_prefill_tokens", 1, None),
+                            ("max_queue", 0, None),
                             ("port", 1, 65535), ("tensor_parallel", 1, None)):
         value = getattr(args, name)
         if value < low or (high is not None and value > high):
@@ -262,12 +270,22 @@ def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, tuple[int, 
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer")
         return Engine(params, config, tokenizer, max_slots=args.max_slots,
-                      kv_cache_bytes=args.kv_cache_bytes, cache_dtype=args.dtype,
+                      max_prefill_tokens=args.max_prefill_tokens, **_pool(args, config),
+                      cache_dtype=args.dtype,
                       quantize=args.quantize, mesh=_mesh(args.tensor_parallel),
                       mixed_steps=args.mixed_steps,
                       draft=load_draft(args, config, tokenizer)), eos
     except (OSError, ValueError, ImportError) as error:  # ImportError: a .bin without torch
         raise SystemExit(f"gpt-jax serve: {error}") from error
+
+
+def _pool(args: argparse.Namespace, config) -> dict:
+    """The Engine's page pool: --kv-cache-bytes, else pages for POOL_SEQUENCES sequences of
+    the model's context (at most --max-slots of them): more slots than that share the
+    pages, admitted while the pages last (vLLM's max_num_seqs beside its memory budget)."""
+    if args.kv_cache_bytes is not None:
+        return {"kv_cache_bytes": args.kv_cache_bytes}
+    return {"num_pages": min(args.max_slots, POOL_SEQUENCES) * pages_for(config.max_seq_len, PAGE_SIZE)}
 
 
 def _mesh(n: int):

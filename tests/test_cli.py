@@ -122,7 +122,8 @@ def test_version_and_serve_help(capsys):
     assert out.startswith("usage: gpt-jax serve ")
     assert "An OpenAI-compatible HTTP server for a trained run" in out
     for default in ("--port PORT port to listen on (default: 8000)",
-                    "--max-slots MAX_SLOTS samples decoded at once (default: 16)",
+                    "--max-slots MAX_SLOTS samples decoded at once (they share the page pool) "
+                    "(default: 64)",
                     "(default: runs/shakespeare- char)", "(default: 30.0)"):
         assert default in out, default
     assert "engine_loop" not in out and "This file is the app" not in out

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import assert_close, assert_lively
 from gpt_jax import CharTokenizer, init_cache
+from gpt_jax.cache import cache_bytes
 from inference import Engine, SamplingParams, compile_counts, generate, prefill, warmup
 from inference.batching import engine_decode, engine_prefill, prefill_shape
 from inference.mixed import engine_mixed
@@ -241,12 +242,33 @@ def test_chunked_prefill_equals_one_prefill(config, params):
         assert finals["long"].token_ids == alone.tokens
 
 
-def test_a_prefill_call_takes_the_smallest_listed_shape_that_holds_it():
+def serve_engine(config, params, *flags):
+    """The Engine `gpt-jax serve` builds with `flags` (its defaults otherwise)."""
+    from inference import serve
+
+    args = serve.parse_args(["--run-dir", "unused", *flags])
+    return Engine(params, config, max_slots=args.max_slots,
+                  max_prefill_tokens=args.max_prefill_tokens, **serve._pool(args, config))
+
+
+def test_serve_slots_share_a_pool_of_sixteen_contexts(config, params):
+    """`serve`'s 64 slots share pages for 16 sequences of the model's context (every slot
+    holding its context would be 4x the memory); fewer slots, pages for as many contexts;
+    --kv-cache-bytes sizes the pool itself."""
+    per_context = -(-config.max_seq_len // 16)  # pages of 16 tokens
+    assert serve_engine(config, params).num_pages == 16 * per_context
+    assert serve_engine(config, params, "--max-slots", "4").num_pages == 4 * per_context
+    one = cache_bytes(config, 1, 16)
+    assert serve_engine(config, params, "--kv-cache-bytes", str(3 * one)).num_pages == 3
+
+
+def test_a_prefill_call_takes_the_smallest_listed_shape_that_holds_it(config, params):
     """The defaults' prefill shapes (16 slots, 128-token budget, 64-token chunks): a call
     of 2 or 3 rows pads to a listed row count, never to an unlisted power of two."""
-    shapes = [(1, 16), (8, 16), (1, 32), (4, 32), (1, 64), (2, 64)]
+    shapes = [(8, 16), (1, 32), (4, 32), (1, 64), (2, 64)]
+    assert Engine(params, config).scheduler.prefill_shapes() == shapes
     chunks = lambda *ns: [PrefillWork(None, 0, n) for n in ns]  # noqa: E731
-    assert prefill_shape(shapes, chunks(10)) == (1, 16)
+    assert prefill_shape(shapes, chunks(10)) == (1, 32)  # no lone row at 16 (12 programs)
     assert prefill_shape(shapes, chunks(20)) == (1, 32)
     assert prefill_shape(shapes, chunks(10, 12)) == (2, 64)  # 128 tokens, the fewest rows
     assert prefill_shape(shapes, chunks(10, 12, 16)) == (4, 32)
@@ -267,8 +289,11 @@ def test_a_random_workload_runs_only_the_programs_warmup_lists(config, params, m
     engine = Engine(params, config, max_slots=8, max_prefill_tokens=64, mixed_steps=mixed)
     listed = set(warmup.programs(engine))
     assert len(listed) <= 12, sorted(listed)
-    for mixed_steps in (False, True):  # the defaults: 6 + 6 prefill, 2 x 3 + 6 mixed
+    for mixed_steps in (False, True):  # the defaults: 6 + 5 prefill, 2 x 3 + 6 mixed
         assert len(warmup.programs(Engine(params, config, mixed_steps=mixed_steps))) <= 12
+    served = serve_engine(config, params)  # serve's defaults: 64 slots, 7 decode + 5 prefill
+    assert (served.max_slots, served.scheduler.max_prefill_tokens) == (64, 256)
+    assert len(warmup.programs(served)) <= 12
     ran = set()
 
     def prefill_program(params, config, state, table, batch, *args, **kwargs):

@@ -118,11 +118,36 @@ def test_prefill_goes_in_chunks_and_takes_turns_with_decode():
         kinds.append([(w.seq.request_id, w.start, w.n) for w in plan.prefill] or
                      [q.request_id for q in plan.decode])
         s.update(plan, [SequenceResult(q, [1] * 8, [], []) for q in plan.decode])
-    # after a prefill call, a decode chunk for the running one, turn about, until "b" is in
+    # after a prefill call that completes no prompt, a decode chunk for the running one,
+    # turn about; the call that completes "b" (its first token) runs at once
     assert kinds == [["a"], [("b", 0, 32)], ["a"], [("b", 32, 32)], ["a"], [("b", 64, 32)],
-                     ["a"], [("b", 96, 4)]]
+                     [("b", 96, 4)], ["a", "b"]]
     assert not s.schedule().prefill  # nothing left to prefill: "a" and "b" decode
     assert len(s.running()) == 2
+
+
+def test_a_burst_of_short_prompts_is_prefilled_first_until_the_slots_are_full():
+    """Prefill calls that complete prompts run back to back while sequences run (vLLM v0's
+    prefill-first order), so a burst of arrivals gets its first tokens before the next
+    decode chunk; the slots bound the run: prompts beyond them wait for a finished one."""
+    s = scheduler(max_slots=4, max_prefill_tokens=32, prefill_chunk_tokens=32)
+    s.add(sequence("a", range(16), max_new_tokens=100))
+    plan = s.schedule()
+    s.update(plan, [SequenceResult(plan.prefill[0].seq, [7], [], [])])
+    for i, name in enumerate("bcdef"):
+        s.add(sequence(name, range(16), arrival=i + 1, max_new_tokens=100))
+    kinds = []
+    for _ in range(3):
+        plan = s.schedule()
+        kinds.append([w.seq.request_id for w in plan.prefill] or
+                     [q.request_id for q in plan.decode])
+        s.update(plan, [SequenceResult(q, [1], [], []) for q in plan.sampled])
+    assert kinds == [["b", "c"], ["d"], ["a", "b", "c", "d"]]  # "e", "f": no slot yet
+    assert [q.request_id for q in s.waiting] == ["e", "f"]
+    plan = s.schedule()  # "a" finishes in this chunk: "e" takes its slot, prefilled at once
+    s.update(plan, [SequenceResult(q, [1], [], [], "length" if q.request_id == "a" else None, 2)
+                    for q in plan.decode])
+    assert [w.seq.request_id for w in s.schedule().prefill] == ["e"]
 
 
 def test_mixed_steps_decode_every_running_sequence_while_a_prompt_goes_in():
@@ -247,6 +272,12 @@ def test_decode_preempts_the_most_recently_admitted_sequence():
     assert all(q.status == Status.WAITING and not q.pages and q.slot is None
                for q in plan.preempted)
     assert s.preemptions == 2 and len(s.active[0].pages) == 3
+    # "1" would fit the page left, which "0" needs for its next chunk (40 + 24 tokens): it
+    # is not admitted into it, prefilled and preempted again (the watermark); "0" decodes
+    s.update(plan, [SequenceResult(plan.decode[0], [1] * 24, [], [])])
+    plan = s.schedule()
+    assert not plan.prefill and [q.request_id for q in plan.decode] == ["0"]
+    assert [q.request_id for q in s.waiting] == ["1", "2"] and s.preemptions == 2
 
 
 def test_a_preempted_sequence_keeps_its_output_and_is_recomputed_with_it():

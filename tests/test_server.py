@@ -628,14 +628,15 @@ def test_serve_on_a_port_in_use_exits_1_naming_it_before_loading(tmp_path, confi
 @pytest.mark.parametrize("flags, message", [
     (["--port", "99999"], r"--port must be in \[1, 65535\], got 99999$"),
     (["--max-queue", "-1"], r"--max-queue must be >= 0, got -1$"),
+    (["--max-prefill-tokens", "0"], r"--max-prefill-tokens must be >= 1, got 0$"),
     (["--kv-cache-bytes", "10"], r"--kv-cache-bytes 10 holds no KV page; one page of \d+ "
                                  r"tokens takes \d+ bytes$"),
     (["--run-dir", "{empty}"], r"config\.json"),
     (["--shutdown-timeout", "-1"], r"--shutdown-timeout must be >= 0 \(seconds\), got -1$"),
     (["--served-model-name", ""], r"--served-model-name '' is empty; allowed: the model id "
                                   r"clients send, or no flag for the directory's name$"),
-], ids=["port", "max-queue", "kv-cache-bytes", "not-a-run", "shutdown-timeout",
-        "served-model-name"])
+], ids=["port", "max-queue", "max-prefill-tokens", "kv-cache-bytes", "not-a-run",
+        "shutdown-timeout", "served-model-name"])
 def test_serve_refuses_bad_flags_and_models_before_it_listens(tmp_path, config, params,
                                                               monkeypatch, flags, message):
     """Fault (found by a new user): --port 99999 listened on 34463 (99999 - 65536) while
