@@ -122,9 +122,8 @@ class Scheduler:
     token; a burst of arrivals is prefilled first, as vLLM v0 orders it, until the slots
     are full), while one that only advances a long prompt takes turns with the decode
     chunks, so a long prompt never stalls the running sequences for more than one prefill
-    call in a row; a
-    decode chunk that the free pages cannot hold preempts the most recently admitted
-    sequence until the rest fit (`reserve_decode`)."""
+    call in a row; a decode chunk that the free pages cannot hold preempts the most
+    recently admitted sequence until the rest fit (`reserve_decode`)."""
 
     def __init__(self, *, max_slots: int, num_pages: int, page_size: int, max_seq_len: int,
                  max_prefill_tokens: int, prefill_chunk_tokens: int, prefix_caching: bool,
@@ -175,11 +174,10 @@ class Scheduler:
         them, in a corner case: then nothing runs). Calls that complete prompts run back to
         back (vLLM v0's prefill-first order: each gives its prompts their first token), at
         most until every slot is taken: arrivals cannot starve the running sequences past
-        the slots they fill. With `mixed` (the engine
-        runs mixed steps, `inference.mixed`), prompts go in as `mixed_work` and, when every
-        running sequence can (`mixable`), one call prefills and decodes a chunk of
-        `decode_chunk` tokens of each of them (a mixed step, then decode steps: stall-free
-        batching), no turns."""
+        the slots they fill. With `mixed` (the engine runs mixed steps, `inference.mixed`),
+        prompts go in as `mixed_work` and, when every running sequence can (`mixable`), one
+        call prefills and decodes a chunk of `decode_chunk` tokens of each of them (a mixed
+        step, then decode steps: stall-free batching), no turns."""
         self.admit()
         prefilling = any(s.status == Status.PREFILLING for s in self.active)
         if mixed and prefilling and self.running() and all(map(self.mixable, self.running())):
@@ -291,7 +289,7 @@ class Scheduler:
             most = 1
             while most * 2 <= bucket(self.max_slots) and most * 2 * T <= budget:
                 most *= 2
-            lone = T > MIN_PROMPT_BUCKET or T == longest or most == 1
+            lone = T > MIN_PROMPT_BUCKET or T == longest  # else pads to the next T
             shapes += [(rows, T) for rows in sorted({1, most}) if rows == most or lone]
             T *= 2
         return shapes

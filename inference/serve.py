@@ -285,7 +285,8 @@ def _pool(args: argparse.Namespace, config) -> dict:
     pages, admitted while the pages last (vLLM's max_num_seqs beside its memory budget)."""
     if args.kv_cache_bytes is not None:
         return {"kv_cache_bytes": args.kv_cache_bytes}
-    return {"num_pages": min(args.max_slots, POOL_SEQUENCES) * pages_for(config.max_seq_len, PAGE_SIZE)}
+    contexts = min(args.max_slots, POOL_SEQUENCES)
+    return {"num_pages": contexts * pages_for(config.max_seq_len, PAGE_SIZE)}
 
 
 def _mesh(n: int):
