@@ -269,8 +269,7 @@ def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, tuple[int, 
         params, config, tokenizer, eos = load_model(args)
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer")
-        return Engine(params, config, tokenizer, max_slots=args.max_slots,
-                      max_prefill_tokens=args.max_prefill_tokens, **_pool(args, config),
+        return Engine(params, config, tokenizer, **engine_sizes(args, config),
                       cache_dtype=args.dtype,
                       quantize=args.quantize, mesh=_mesh(args.tensor_parallel),
                       mixed_steps=args.mixed_steps,
@@ -279,14 +278,16 @@ def _engine(args: argparse.Namespace, source: Path) -> tuple[Engine, tuple[int, 
         raise SystemExit(f"gpt-jax serve: {error}") from error
 
 
-def _pool(args: argparse.Namespace, config) -> dict:
-    """The Engine's page pool: --kv-cache-bytes, else pages for POOL_SEQUENCES sequences of
-    the model's context (at most --max-slots of them): more slots than that share the
-    pages, admitted while the pages last (vLLM's max_num_seqs beside its memory budget)."""
+def engine_sizes(args: argparse.Namespace, config) -> dict:
+    """The Engine's sizes from the flags: --max-slots, --max-prefill-tokens and the page
+    pool, --kv-cache-bytes or else pages for POOL_SEQUENCES sequences of the model's context
+    (at most --max-slots of them): more slots than that share the pages, admitted while the
+    pages last (vLLM's max_num_seqs beside its memory budget)."""
+    sizes = {"max_slots": args.max_slots, "max_prefill_tokens": args.max_prefill_tokens}
     if args.kv_cache_bytes is not None:
-        return {"kv_cache_bytes": args.kv_cache_bytes}
+        return sizes | {"kv_cache_bytes": args.kv_cache_bytes}
     contexts = min(args.max_slots, POOL_SEQUENCES)
-    return {"num_pages": contexts * pages_for(config.max_seq_len, PAGE_SIZE)}
+    return sizes | {"num_pages": contexts * pages_for(config.max_seq_len, PAGE_SIZE)}
 
 
 def _mesh(n: int):

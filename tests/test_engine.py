@@ -247,8 +247,7 @@ def serve_engine(config, params, *flags):
     from inference import serve
 
     args = serve.parse_args(["--run-dir", "unused", *flags])
-    return Engine(params, config, max_slots=args.max_slots,
-                  max_prefill_tokens=args.max_prefill_tokens, **serve._pool(args, config))
+    return Engine(params, config, **serve.engine_sizes(args, config))
 
 
 def test_serve_slots_share_a_pool_of_sixteen_contexts(config, params):
