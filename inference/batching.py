@@ -30,6 +30,7 @@ from inference.sampling_params import SamplingParams
 from inference.buckets import bucket
 from inference.scheduler import PrefillWork, Sequence, SequenceResult
 from inference.steps import run_prefill, run_step
+from inference.transfer import to_device
 
 
 @struct.dataclass
@@ -205,7 +206,7 @@ def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, rece
         if w.completes:
             insert[r] = True
             put_history(seq, r, step, recent, window, seen, counts, constraint, tokenizer)
-    return PrefillBatch(*map(jnp.asarray, (tokens, n_valid, start, slot, insert, step,
+    return PrefillBatch(*to_device((tokens, n_valid, start, slot, insert, step,
                                            recent, window, seen, counts, constraint)))
 
 

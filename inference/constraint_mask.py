@@ -28,6 +28,7 @@ from flax import struct
 from inference.constraints import Automaton
 from inference.buckets import bucket
 from inference.stopping import UNUSED
+from inference.transfer import to_device
 
 # smallest padded S and C: small tables (a choice, a flat schema) share one program, and at
 # 2 bytes an entry they are small beside a row's [V] token classes
@@ -68,7 +69,7 @@ def constraint_arrays(automata: tuple[Automaton | None, ...],
             token_class[b] = t.token_class
         next_state[b, :s, :c] = t.next_state
         accepting[b, :s], ends[b, :s] = t.accepting, t.ends
-    return ConstraintArrays(*map(jnp.asarray, (token_class, next_state, accepting, ends)))
+    return ConstraintArrays(*to_device((token_class, next_state, accepting, ends)))
 
 
 def warmup_arrays(automata, max_slots: int, vocab_size: int) -> list[ConstraintArrays]:

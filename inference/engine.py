@@ -42,6 +42,7 @@ from inference.spec_engine import SpecSlots, engine_speculate, speculate
 from inference.speculative import width_of
 from inference.steps import PAGE_SIZE, decode_step, prefill
 from inference.validation import check_engine_request
+from inference.transfer import to_device
 
 FINISHED_IDS = 100_000  # finished request ids an Engine remembers (abort of one: no error)
 
@@ -282,6 +283,7 @@ class Engine:
             before = sum(compile_counts().values())
             for variant in [rows] + [rows.replace(constraint=b) for b in banks]:
                 warmup.compile_all(self, crop, variant, stops)
+            self.spec.warmup(self._spec_arrays())
             return sum(compile_counts().values()) - before
 
     def _remember_finished(self, request_id: str) -> None:
@@ -383,10 +385,10 @@ class Engine:
         rows, stops = self._row_arrays()
         window_slots = self._window_slots(running, n_rows)
         if width_of([q.sampling for q in running]) and not window_slots.shape[0]:
-            speculate(self, running, jnp.asarray(live), rows, stops)  # none near a "crop"
+            speculate(self, running, to_device(live), rows, stops)  # none near a "crop"
             return
         self.state = (self.decode_program or engine_decode)(
-            self.params, self.config, self.state, self._page_table(), jnp.asarray(live), rows,
+            self.params, self.config, self.state, self._page_table(), to_device(live), rows,
             stops, window_slots, n_rows=n_rows, pad_id=0)
 
     def _row_arrays(self):
@@ -400,7 +402,7 @@ class Engine:
         table = np.full((self.max_slots, self.max_pages), kv.NO_PAGE, np.int32)
         for seq in self.scheduler.active:
             table[seq.slot, : len(seq.pages)] = seq.pages
-        return jnp.asarray(table)
+        return to_device(table)
 
     def _window_slots(self, running: list[Sequence], n_rows: int):
         """The slots of the "crop" requests whose context may be full within the next chunk,
@@ -411,7 +413,7 @@ class Engine:
                 and len(q.prompt) + q.sampling.max_new_tokens > C]  # only "crop" ones can
         slots = np.full(decode_rows(len(near), n_rows) if near else 0, self.max_slots, np.int32)
         slots[: len(near)] = sorted(near)
-        return jnp.asarray(slots)
+        return to_device(slots)
 
     def _output(self, seq: Sequence, old: int | None = None) -> RequestOutput:
         """The sample's RequestOutput; with a tokenizer, its text, cut at a stop string (which

@@ -39,6 +39,7 @@ from inference.sampling import SamplingArrays, prompt_hash
 from inference.sampling_params import MAX_LOGPROBS, SamplingParams
 from inference.buckets import MIN_PROMPT_BUCKET, bucket
 from inference.steps import cached_model
+from inference.transfer import to_device
 from inference.verify import verifier
 from inference.validation import check_request
 
@@ -282,8 +283,8 @@ def run(params, config, prompts, sampling, *, model_fns, bos_token_id=None, pad_
         return [Completion([], "length", sp.seed or 0) for sp in sampling for _ in range(sp.n)]
     batch = pack(config, prompts, sampling, pad_id, tokenizer,
                  None if draft is None else draft[1])
-    args = (params, config, jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.prompt_lengths),
-            jnp.asarray(batch.source_B), batch.rows, batch.stops)
+    args = (params, config, *to_device((batch.prompt_tokens, batch.prompt_lengths,
+                                      batch.source_B)), batch.rows, batch.stops)
     static = dict(capacity=batch.capacity, n_steps=batch.n_steps, n_top=batch.n_top,
                   model_fns=model_fns, cache_dtype=cache_dtype, pad_id=pad_id,
                   forked=batch.forked)

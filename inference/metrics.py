@@ -44,10 +44,12 @@ class Metrics:
         self.recent: list[tuple[float, int]] = []  # (time, tokens) of each step, last 10 s
         g("generation_tokens_per_second", "generated tokens per second over the last 10 s"
           ).set_function(self._tokens_per_s)
-        g("xla_programs_compiled", "programs XLA compiled in this process"
+        g("xla_programs_compiled", "programs XLA compiled in this process (all of them: the "
+          "engine's, the checkpoint load's, the warmup's helpers)"
           ).set_function(lambda: compile_cache.programs().compiled)
         g("xla_programs_loaded", "programs loaded from the persistent compilation cache "
-          "(inference.compile_cache)").set_function(lambda: compile_cache.programs().loaded)
+          "(inference.compile_cache) in this process (all of them, as xla_programs_compiled)"
+          ).set_function(lambda: compile_cache.programs().loaded)
         self.prompt_tokens = prom.Counter("gpt_jax:prompt_tokens", "prompt tokens admitted",
                                           registry=r)
         self.generation_tokens = prom.Counter("gpt_jax:generation_tokens", "tokens generated",

@@ -32,6 +32,7 @@ from inference.decode import CHUNK, DecodeState, decode_chunk, sample_and_record
 from inference.buckets import MIN_PROMPT_BUCKET, bucket
 from inference.scheduler import PrefillWork, Sequence
 from inference.steps import run_step
+from inference.transfer import to_device
 
 
 @struct.dataclass
@@ -88,7 +89,7 @@ def mixed_batch(decode: list[Sequence], work: list[PrefillWork], max_slots: int,
             put_history(seq, r, step, recent, window, seen, counts, constraint, tokenizer)
             r += 1
         i += n
-    return MixedBatch(*map(jnp.asarray, (tokens, slot, position, is_decode, valid, row_slot,
+    return MixedBatch(*to_device((tokens, slot, position, is_decode, valid, row_slot,
                                          row_at, insert, step, recent, window, seen, counts,
                                          constraint)))
 

@@ -42,13 +42,13 @@ import threading
 import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gpt_jax import distributed
 from inference.batching import engine_decode, engine_prefill
 from inference.decode import widen_recent
 from inference.errors import RequestError
+from inference.transfer import to_device
 
 PREFIX = "gpt_jax/serve"  # the key-value store's keys: PREFIX/<follower>/<message number>
 POLL_MS = 10_000  # a follower's wait for the next plan before it asks again
@@ -254,7 +254,7 @@ def follow(engine, channel: Channel) -> None:
             print(f"{me}: process 0 stopped serving; exiting", flush=True)
             return
         engine.state = widen_recent(engine.state, plan.recent_width)
-        args = jax.tree.map(jnp.asarray, plan.args)
+        args = to_device(plan.args)
         try:
             with engine.on_mesh():
                 engine.state = jax.block_until_ready(PROGRAMS[plan.program](

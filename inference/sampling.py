@@ -49,6 +49,7 @@ import numpy as np
 from flax import struct
 
 from inference.sampling_params import SamplingParams
+from inference.transfer import to_device
 
 if TYPE_CHECKING:
     from inference.constraint_mask import ConstraintArrays
@@ -80,7 +81,7 @@ class SamplingArrays:
         in `logit_bias` must be below vocab_size (`inference.validation.check_request`
         checks)."""
         def col(name, dtype):
-            return jnp.asarray(np.array([getattr(r, name) for r in rows], dtype))
+            return to_device(np.array([getattr(r, name) for r in rows], dtype))
 
         return cls(
             temperature=col("temperature", np.float32),
@@ -90,10 +91,10 @@ class SamplingArrays:
             repetition_penalty=col("repetition_penalty", np.float32),
             presence_penalty=col("presence_penalty", np.float32),
             frequency_penalty=col("frequency_penalty", np.float32),
-            seed=jnp.asarray(np.array(seeds, np.uint32)),
-            prompt_hash=jnp.asarray(np.array(prompt_hashes, np.uint32)),
-            sample_index=jnp.asarray(np.array(sample_index, np.int32)),
-            logprobs=jnp.asarray(np.array([-1 if r.logprobs is None else r.logprobs
+            seed=to_device(np.array(seeds, np.uint32)),
+            prompt_hash=to_device(np.array(prompt_hashes, np.uint32)),
+            sample_index=to_device(np.array(sample_index, np.int32)),
+            logprobs=to_device(np.array([-1 if r.logprobs is None else r.logprobs
                                            for r in rows], np.int32)),
             logit_bias=dense_logit_bias(rows, vocab_size),
         )
@@ -130,7 +131,7 @@ def dense_logit_bias(rows: list[SamplingParams], vocab_size: int) -> jax.Array:
     for b, r in enumerate(rows):
         for token_id, value in r.logit_bias:
             bias[b, token_id] = value
-    return jnp.asarray(bias)
+    return to_device(bias)
 
 
 def apply_penalties(

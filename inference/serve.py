@@ -90,7 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-slots", type=int, default=64,
                    help="samples decoded at once (they share the page pool)")
     p.add_argument("--max-prefill-tokens", type=int, default=256,
-                   help="most prompt tokens per prefill call")
+                   help="most prompt tokens per prefill call, over all the prompts it "
+                        "prefills (a long prompt goes in over several calls, at most "
+                        f"{Engine.__init__.__kwdefaults__['prefill_chunk_tokens']} tokens of it "
+                        "a call)")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
                    help=f"KV page pool size in bytes (default: {POOL_SEQUENCES} sequences of "
                         "the model's context, or --max-slots if fewer; the slots share it)")
@@ -191,8 +194,9 @@ def _serve(args: argparse.Namespace, cfg: ServerConfig, source: Path,
         """Compile the engine's programs (the slow part) while /health answers 503."""
         try:
             if not args.no_warmup:
-                print(f"gpt-jax serve: compiling the engine's programs ({args.max_slots} "
-                      "slots); /health answers 503 until they are ready", flush=True)
+                print(f"gpt-jax serve: preparing the engine's programs ({args.max_slots} "
+                      "slots: compiled, or loaded from the compilation cache); /health "
+                      "answers 503 until they are ready", flush=True)
                 tick, before = time.monotonic(), compile_cache.programs()
                 engine.warmup(constraints=[SamplingParams(json_object=True)]
                               if args.warmup_json_object else ())

@@ -30,6 +30,7 @@ from inference.buckets import bucket
 from inference.speculative import (NO_RATE, PAUSE_START, SpecArrays, SpecState,
                                    speculative_chunk, width_of)
 from inference.verify import verifier
+from inference.transfer import to_device
 
 
 @functools.partial(jax.jit, static_argnames=("config", "n_rows", "width", "pad_id"),
@@ -109,8 +110,8 @@ class SpecSlots:
             k[q.slot] = sp.num_speculative_tokens if sp.speculative and fits else 0
             lo[q.slot], hi[q.slot] = sp.prompt_lookup_min, sp.prompt_lookup_max
             use_draft[q.slot] = sp.speculative == "draft" and fits
-        return SpecArrays(*map(jnp.asarray, (k, lo, hi)),
-                          use_draft=jnp.asarray(use_draft) if use_draft.any() else None,
+        return SpecArrays(*to_device((k, lo, hi)),
+                          use_draft=to_device(use_draft) if use_draft.any() else None,
                           # numpy: no staging program
                           cost=row_costs(config, k, draft_config, use_draft))
 
@@ -121,6 +122,11 @@ class SpecSlots:
             joining = np.zeros(self.state.k.shape, bool)
             joining[slots] = True
             self.state = _restart(self.state, arrays.k_max, joining)
+
+    def warmup(self, arrays: SpecArrays) -> None:
+        """Compile `insert`'s program now, with no slot joining (the state is unchanged), so
+        the first request does not."""
+        self.state = _restart(self.state, arrays.k_max, np.zeros(self.state.k.shape, bool))
 
     def stats(self) -> dict:
         """Totals over every request so far: drafted and accepted tokens, the acceptance

@@ -56,6 +56,7 @@ from inference.spec_cost import expected_tokens, row_costs
 from inference.decode import CHUNK, DecodeState, record_token, sample_and_record
 from inference.sampling import greedy_tokens, prepare_logits, row_keys, scaled_logits
 from inference.sampling_params import MAX_NGRAM
+from inference.transfer import to_device
 
 PAUSE_START = 8  # steps a row waits before drafting again, the first time its k reaches 0
 PAUSE_MAX = 256  # the longest wait, reached by doubling while drafts keep failing
@@ -85,13 +86,13 @@ class SpecArrays:
         model of `draft_config` (each row's cost `spec_cost.row_costs`; `use_draft` None
         when no row drafts with a draft model)."""
         ks = [r.num_speculative_tokens if r.speculative else 0 for r in rows]
-        col = lambda f: jnp.asarray(np.array([f(r) for r in rows], np.int32))  # noqa: E731
+        col = lambda f: to_device(np.array([f(r) for r in rows], np.int32))  # noqa: E731
         drafted = [r.speculative == "draft" for r in rows]
-        return cls(k_max=jnp.asarray(np.array(ks, np.int32)),
+        return cls(k_max=to_device(np.array(ks, np.int32)),
                    ngram_min=col(lambda r: r.prompt_lookup_min),
                    ngram_max=col(lambda r: r.prompt_lookup_max),
-                   use_draft=jnp.asarray(drafted) if any(drafted) else None,
-                   cost=jnp.asarray(row_costs(config, ks, draft_config, drafted)))
+                   use_draft=to_device(np.array(drafted)) if any(drafted) else None,
+                   cost=to_device(np.asarray(row_costs(config, ks, draft_config, drafted))))
 
 
 def width_of(rows) -> int:

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from inference.transfer import to_device
+
 # finish codes, as stored in the decode state
 RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
 FINISH_REASONS = {EOS: "eos", STOP: "stop", LENGTH: "length"}
@@ -76,10 +78,10 @@ class StopArrays:
             for q, sequence in enumerate(row_sequences):
                 sequences[row, q, seq_len - len(sequence):] = sequence
         return cls(
-            max_new_tokens=jnp.asarray(np.array(max_new_tokens, np.int32)),
-            stop_token_ids=jnp.asarray(ids),
-            stop_sequences=jnp.asarray(sequences),
-            min_tokens=jnp.asarray(np.array(min_tokens or [0] * len(max_new_tokens), np.int32)),
+            max_new_tokens=to_device(np.array(max_new_tokens, np.int32)),
+            stop_token_ids=to_device(ids),
+            stop_sequences=to_device(sequences),
+            min_tokens=to_device(np.array(min_tokens or [0] * len(max_new_tokens), np.int32)),
         )
 
 

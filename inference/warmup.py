@@ -13,12 +13,12 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from inference import stopping
 from inference.batching import PrefillBatch, decode_rows, engine_decode, engine_prefill
 from inference.mixed import engine_mixed, mixed_batch
+from inference.transfer import to_device
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -59,9 +59,8 @@ def compile_all(engine, crop: bool, rows, stops) -> None:
     An exported program (`inference.exported`: `serve` and `LLM` with the cache) is only
     lowered and compiled, not run, several at once in a thread pool (XLA compiles outside
     the GIL); any other is run once on the engine's idle state, with
-    padding rows only (no slot changes). The arrays are built with numpy: `jnp.asarray`
-    would stage each through a program of its own (jax >= 0.10), dozens of small programs
-    to look up at every start."""
+    padding rows only (no slot changes). The arrays are built with numpy and placed as the
+    engine's calls place theirs (`inference.transfer.to_device`: no program of their own)."""
     table = engine._page_table()
     ahead = []  # what compiles each exported program
     for program in programs(engine, crop):
@@ -69,12 +68,11 @@ def compile_all(engine, crop: bool, rows, stops) -> None:
         if hasattr(fn, "precompile"):
             ahead.append(fn.precompile(*args, **kwargs))
         else:  # jit's own cache: the arrays as the engine's calls pass them
-            args = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x,
-                                args)
+            args = to_device(args)
             engine.state = fn(*args, **kwargs)
         if program.kind == "prefill" and engine.draft is not None:
             # its draft model's prefill (`inference.draft_engine`), run once
-            engine.draft.prefill(table, jax.tree.map(jnp.asarray, args[4]))
+            engine.draft.prefill(table, to_device(args[4]))
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         for done in [pool.submit(compile_call) for compile_call in ahead]:
             done.result()

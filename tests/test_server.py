@@ -587,8 +587,8 @@ def test_a_signal_while_the_programs_compile_stops_with_one_line(tmp_path, confi
          str(free_port()), "--max-slots", "2"], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
-        printed = "".join(iter_until(proc.stdout, "compiling the engine's programs"))
-        assert "compiling" in printed, printed
+        printed = "".join(iter_until(proc.stdout, "preparing the engine's programs"))
+        assert "preparing" in printed, printed
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == status
         assert "programs compiled" not in proc.stdout.read()  # it was still compiling
