@@ -186,7 +186,7 @@ def test_two_processes_train_as_one_process_with_two_devices(runs):
     first, second = runs["two"]
     summary = json.loads(first.stdout()[first.stdout().index("{"):])
     assert summary["steps"] == STEPS
-    assert "2 device(s) in 2 process(es)" in first.stdout()
+    assert "2 devices in 2 processes" in first.stdout()
     for printed in ("model tiny", "step 5:", "steps", "it/s", "step/s"):  # process 0 alone
         assert printed not in second.stdout(), second.stdout()
     # The run directory was written once: one metrics line per evaluation, the files

@@ -90,8 +90,9 @@ class Loop:
             self.warm_up(state)
         train_steps = make_step(cfg)
         self.fit_at = self.first_fit_step(start)
+        # None: no bar where stdout is not a terminal (a log file would get its \r updates)
         bar = tqdm(initial=start, total=cfg.max_steps, unit="step", file=sys.stdout,
-                   mininterval=1.0, disable=not self.primary)
+                   mininterval=1.0, disable=None if self.primary else True)
         step = start
         while step < self.cfg.max_steps:
             n = self.call_steps(step)
@@ -344,9 +345,10 @@ class Loop:
         if self.primary:  # one writer when several processes train together
             with interrupts_deferred():
                 report.append_metrics(self.cfg.run_dir, record)
+        per_char = self.evals["val_loss_per_char"]
+        chars = "" if per_char == self.evals["val_loss"] else f" ({per_char:.4f}/char)"
         self.say(bar, f"step {self.step}: train {record['train_loss']:.4f} val "
-                      f"{self.evals['val_loss']:.4f} nats/token "
-                      f"({self.evals['val_loss_per_char']:.4f}/char), {elapsed:.0f}s")
+                      f"{self.evals['val_loss']:.4f} nats/token{chars}, {elapsed:.0f}s")
         if (text := self.sample(state)) is not None:
             bar.write(text)
         with interrupts_deferred():  # Ctrl-C now stops the run after these writes

@@ -49,6 +49,11 @@ from training.run_dir import (check_block_size, check_same_corpus, prepare_run,
 from training.step import init_state, make_optimizer, make_train_steps
 
 
+def _count(n: int, one: str, many: str) -> str:
+    """"1 device", "2 devices"."""
+    return f"{n} {one if n == 1 else many}"
+
+
 def split_host(cfg: TrainConfig, processes: int = 1) -> None:
     """Split the host CPU into XLA devices for data parallelism (`sharding.split_host_cpu`):
     `cfg.cpu_devices` of them, or for 0 the largest count that is at most the core count
@@ -97,7 +102,8 @@ def train(cfg: TrainConfig, *, on_eval=None, started: float | None = None) -> di
     if distributed.is_primary():
         print(f"model preset {cfg.model}: {param_count(state.params) / 1e6:.2f}M params, vocab "
               f"{config.vocab_size}, block {batches.block}, {len(batches.train):,} train "
-              f"tokens, {mesh.devices.size} device(s) in {jax.process_count()} process(es), "
+              f"tokens, {_count(mesh.devices.size, 'device', 'devices')} in "
+              f"{_count(jax.process_count(), 'process', 'processes')}, "
               f"peak {peak / 1e9:.0f} GFLOP/s")
 
     def make_step(cfg: TrainConfig):  # a new max_steps only moves the schedule's end
