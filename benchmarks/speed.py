@@ -39,6 +39,7 @@ import numpy as np
 from gpt_jax import GPTConfig, init_params
 from gpt_jax.params import QUANTIZE, inference_params, is_quantized
 from inference import SamplingParams, compile_counts, generate
+from inference.sampling import greedy_tokens
 from inference.steps import cached_model, init_cache_rows
 from inference.naive import naive_model
 
@@ -358,7 +359,7 @@ def decode_runner(params, config, batch, capacity, live, steps=8):
         def body(carry, _):
             tokens, cache = carry
             logits, cache = step_fn(tokens, cache, hold)
-            return (jnp.argmax(logits, axis=-1).astype(jnp.int32), cache), None
+            return (greedy_tokens(logits), cache), None  # the sampler's argmax
 
         start = (jnp.zeros((batch,), jnp.int32), cache)
         return jax.lax.scan(body, start, None, length=steps)[0]

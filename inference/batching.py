@@ -206,8 +206,8 @@ def prefill_batch(work: list[PrefillWork], max_slots: int, vocab_size: int, rece
         if w.completes:
             insert[r] = True
             put_history(seq, r, step, recent, window, seen, counts, constraint, tokenizer)
-    return PrefillBatch(*to_device((tokens, n_valid, start, slot, insert, step,
-                                           recent, window, seen, counts, constraint)))
+    return PrefillBatch(*to_device((tokens, n_valid, start, slot, insert, step, recent, window,
+                                    seen, counts, constraint)))
 
 
 def put_history(seq: Sequence, r: int, step, recent, window, seen, counts, constraint,

@@ -89,9 +89,8 @@ def mixed_batch(decode: list[Sequence], work: list[PrefillWork], max_slots: int,
             put_history(seq, r, step, recent, window, seen, counts, constraint, tokenizer)
             r += 1
         i += n
-    return MixedBatch(*to_device((tokens, slot, position, is_decode, valid, row_slot,
-                                         row_at, insert, step, recent, window, seen, counts,
-                                         constraint)))
+    return MixedBatch(*to_device((tokens, slot, position, is_decode, valid, row_slot, row_at,
+                                  insert, step, recent, window, seen, counts, constraint)))
 
 
 def blocks(n: int) -> int:

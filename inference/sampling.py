@@ -95,7 +95,7 @@ class SamplingArrays:
             prompt_hash=to_device(np.array(prompt_hashes, np.uint32)),
             sample_index=to_device(np.array(sample_index, np.int32)),
             logprobs=to_device(np.array([-1 if r.logprobs is None else r.logprobs
-                                           for r in rows], np.int32)),
+                                         for r in rows], np.int32)),
             logit_bias=dense_logit_bias(rows, vocab_size),
         )
 

@@ -92,7 +92,7 @@ class SpecArrays:
                    ngram_min=col(lambda r: r.prompt_lookup_min),
                    ngram_max=col(lambda r: r.prompt_lookup_max),
                    use_draft=to_device(np.array(drafted)) if any(drafted) else None,
-                   cost=to_device(np.asarray(row_costs(config, ks, draft_config, drafted))))
+                   cost=to_device(row_costs(config, ks, draft_config, drafted)))
 
 
 def width_of(rows) -> int:
