@@ -540,16 +540,21 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="gpt-jax bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="name", required=True)
     p = sub.add_parser("throughput")
-    p.add_argument("--presets", nargs="+", default=["gpt2", "shakespeare-char"])
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
-    p.add_argument("--new-tokens", nargs="+", type=int, default=[128, 512])
+    p.add_argument("--presets", nargs="+", default=["gpt2", "shakespeare-char"],
+                   help="model shapes (gpt_jax.config presets), random weights; default "
+                   "%(default)s")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32],
+                   help="prompts generated at once (batch 1 adds the memory-bound columns); "
+                   "default %(default)s")
+    p.add_argument("--new-tokens", nargs="+", type=int, default=[128, 512],
+                   help=f"tokens generated per prompt of {PROMPT_LEN}; default %(default)s")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     p.add_argument("--tag", default="", help="suffix of the result file names (--tag=-x)")
     p.add_argument("--bf16", action="store_true", help="also time ours with bfloat16 weights "
                    "and KV cache")
     p.add_argument("--rounds", type=int, default=3, help="timed runs of each engine, taken "
-                   "in turn; each figure is the median")
+                   "in turn; each figure is the median (default %(default)s)")
     p.add_argument("--quantize", choices=QUANTIZE, default=None,
                    help="also time ours with weights quantized so (gpt_jax.params.quantize)")
     p = sub.add_parser("live-length")

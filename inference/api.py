@@ -35,15 +35,18 @@ class StreamOptions(BaseModel):
 def _bounded(default, name: str, **api_bounds):
     """A pydantic Field bounded as SamplingParams bounds the field `name` (`RANGES`), or by
     `api_bounds` where the API differs; a float field refuses NaN and inf (JSON has
-    neither, but Python's json writes them). Its interval, in RANGES' words, is its
-    `json_schema_extra["allowed"]`, for the errors (`validation_error`)."""
+    neither, but Python's json writes them). What it allows ("numbers in [0, 2]", "integers
+    in [1, 320]") is its `json_schema_extra["allowed"]`, for the errors
+    (`validation_error`)."""
     range_ = RANGES[name]
     bounds = {"gt" if range_.low_open else "ge": range_.low}
     if range_.high != math.inf:
         bounds["le"] = range_.high
     bounds |= api_bounds
     finite = {} if range_.integer else {"allow_inf_nan": False}
-    return Field(default, **bounds, **finite, json_schema_extra={"allowed": _interval(bounds)})
+    kind = "integers" if range_.integer else "numbers"
+    return Field(default, **bounds, **finite,
+                 json_schema_extra={"allowed": f"{kind} in {_interval(bounds)}"})
 
 
 def _interval(bounds: dict) -> str:
@@ -151,12 +154,17 @@ SHAPES = {"prompt": "a string, a list of strings, a list of token ids (integers)
                         f"{BIAS.allowed}"}  # what a field of several shapes may be
 
 
+# pydantic's error types for a number past a field's bounds
+OUT_OF_RANGE = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
 def validation_error(error: ValidationError | RequestValidationError,
                      model: type[BaseModel] | None = None) -> APIError:
     """The first pydantic error as a 400 naming the field, the value and what is allowed:
-    for a number field of `model` (the request's class), its interval (`_bounded`), with
-    the code "invalid_type" for a value that is not a number, as OpenAI's API answers
-    `"temperature": "hot"`."""
+    for a number field of `model` (the request's class), what `_bounded` says it allows,
+    with the code "invalid_type" for a value that is not a number (as OpenAI's API answers
+    `"temperature": "hot"`) and "invalid_value" for one out of range (as `SamplingParams`
+    words it)."""
     first = error.errors()[0]
     loc = [str(p) for p in first["loc"] if p != "body"]
     if first["type"] == "json_invalid":
@@ -174,11 +182,17 @@ def validation_error(error: ValidationError | RequestValidationError,
     info = model.model_fields.get(param) if model is not None else None
     allowed = (info.json_schema_extra or {}).get("allowed") if info is not None else None
     if allowed and first["type"] in ("float_type", "float_parsing"):  # "hot", true, "0.5"
-        return APIError(400, f"{param}={value} is not a number; allowed: numbers in {allowed}",
+        return APIError(400, f"{param}={value} is not a number; allowed: {allowed}",
+                        param=param, code="invalid_type")
+    if allowed and first["type"] in ("int_type", "int_parsing", "int_from_float"):
+        return APIError(400, f"{param}={value} is not an integer; allowed: {allowed}",
                         param=param, code="invalid_type")
     if allowed and first["type"] == "finite_number":  # NaN, Infinity
         return APIError(400, f"{param}={value} is not a finite number; allowed: {allowed}",
                         param=param)
+    if allowed and first["type"] in OUT_OF_RANGE:  # as SamplingParams words it
+        return APIError(400, f"{param}={value} is out of range; allowed: {allowed}",
+                        param=param, code="invalid_value")
     return APIError(400, f"{param}={value} is invalid: {first['msg']}", param=param)
 
 

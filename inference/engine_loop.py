@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Callable
 
+from inference import compile_cache
 from inference.detokenize import RequestOutput
 from inference.engine import Engine
 from inference.metrics import Metrics
@@ -29,6 +30,18 @@ class Submission:
     first_token: dict[int, float] = dataclasses.field(default_factory=dict)  # sample -> time
     finished: int = 0  # samples finished
 
+
+
+def say_first_use(before: compile_cache.Programs, after: compile_cache.Programs,
+                  seconds: float) -> None:
+    """One line when a step compiled (or loaded) programs: a request used one the start-up
+    warmup did not prepare (a structured-output request without --warmup-json-object, a
+    speculative one, --no-warmup), and every running request waited for it."""
+    compiled, loaded = after.compiled - before.compiled, after.loaded - before.loaded
+    if compiled or loaded:
+        print(f"gpt-jax serve: a step compiled {compiled} and loaded {loaded} programs on "
+              f"first use ({seconds:.1f} s; every running request waited): a request used a "
+              "program the start-up warmup did not prepare", flush=True)
 
 
 class EngineLoop:
@@ -71,6 +84,7 @@ class EngineLoop:
                 except queue.Empty:
                     command = None
             if self.engine.has_unfinished_requests():
+                before, tick = compile_cache.programs(), time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except BaseException as error:  # a bug: fail every request, refuse new ones
@@ -78,6 +92,7 @@ class EngineLoop:
                     for sub in self.live.values():
                         sub.deliver(error)
                     raise
+                say_first_use(before, compile_cache.programs(), time.monotonic() - tick)
                 self._deliver(outputs)
 
     def _apply(self, kind: str, arg) -> None:

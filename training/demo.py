@@ -58,7 +58,8 @@ def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
         from training.report import read_metrics
 
         summary = json.loads(summary_path.read_text())
-        print(f"reusing the trained model in {run_dir} (--retrain to train again)")
+        print(f"reusing the trained model in {run_dir} (RETRAIN=1 make demo, or gpt-jax demo "
+              "--retrain, trains it again)")
         last = (read_metrics(run_dir) or [{"step": -1}])[-1]  # a line per checkpoint
         if last["step"] > summary["steps"]:  # trained further since (gpt-jax train resumed)
             print(f"{summary_path} is from step {summary['steps']}, but the run has trained "
@@ -91,24 +92,27 @@ def trained_summary(run_dir: Path, train_seconds: float, retrain: bool) -> dict:
 
 
 def budget_line(summary: dict) -> str | None:
-    """How the time budget changed the run's step count: each fit of max_steps (the first
-    raised on a machine faster than the preset assumes, lowered on a slower one; each later
-    one after an evaluation whose interval's steps were faster or slower than the fit
-    before allowed for; so the learning-rate schedule ends with the run), and a stop before
-    the schedule's end. None when it changed nothing (or the summary predates the fits)."""
+    """How the time budget changed the run's step count, in one line: each fit of max_steps
+    that changed it (the first raised on a machine faster than the preset assumes, lowered
+    on a slower one; each later one after an evaluation whose steps were faster or slower
+    than the fit before allowed for; so the learning-rate schedule ends with the run), with
+    the step time it measured, and a stop before the schedule's end. None when it changed
+    nothing (or the summary predates the fits)."""
     notes = []
     for i, fit in enumerate(summary.get("budget_fits") or []):
-        than = "the preset's" if fit.get("first", i == 0) else "the fit before allowed for"
-        why = f"raised: the steps were faster than {than}" if fit["to"] > fit["from"] \
-            else f"lowered: the steps were slower than {than}"
-        notes.append(f"max_steps {fit['from']} -> {fit['to']} at step {fit['step']} "
-                     f"({why}, {fit['ms_per_step']:.1f} ms/step measured)")
+        measured = f"{fit['ms_per_step']:.1f} ms/step"
+        if fit.get("first", i == 0):
+            than = "faster" if fit["to"] > fit["from"] else "slower"
+            notes.append(f"max_steps {fit['from']} -> {fit['to']} at step {fit['step']} "
+                         f"({measured}, {than} than the preset assumes)")
+        else:
+            notes.append(f"-> {fit['to']} at step {fit['step']} ({measured})")
+    line = ", ".join(notes)
     if summary.get("max_steps", summary["steps"]) > summary["steps"]:  # past the first fit
-        notes.append(f"stopped at step {summary['steps']} of {summary['max_steps']} (the "  # (a
-                     "steps got slower than the last fit expected)")  # run `too_short` is not kept)
-    if not notes:
-        return None
-    return "time budget: " + "; ".join(notes)
+        line += ("; " if line else "") + (  # (a run `too_short` is not kept)
+            f"stopped at step {summary['steps']} of {summary['max_steps']} (the steps got "
+            "slower than the last fit expected)")
+    return f"time budget: {line}" if line else None
 
 
 def main(argv=None):
