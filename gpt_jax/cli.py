@@ -26,7 +26,8 @@ commands:
   demo       data, train shakespeare-char within a time budget (once), generate (make demo)
   bench      run a benchmark from benchmarks/: gpt-jax bench NAME [flags], NAME one of
              throughput, live-length, roofline, ttft, compiles (speed.py) or
-             another script's name (benchmarks/NAME.py); gpt-jax bench NAME --help
+             another script's name (benchmarks/NAME.py; `gpt-jax bench` lists all of
+             them, benchmarks/README.md says what each measures); gpt-jax bench NAME --help
 """
 
 

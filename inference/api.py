@@ -94,7 +94,7 @@ class CompletionRequest(SamplingFields):
     """The body of POST /v1/completions."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = _bounded(16, "max_new_tokens")
+    max_tokens: Optional[int] = _bounded(16, "max_new_tokens", ge=1)  # vLLM: at least 1
     logprobs: Optional[int] = _bounded(None, "logprobs")
     echo: Optional[bool] = False
     best_of: Optional[int] = None
@@ -115,8 +115,8 @@ class ChatRequest(SamplingFields):
     are accepted here to be refused by name (`chat_sampling`)."""
 
     messages: list[Any]
-    max_tokens: Optional[int] = _bounded(None, "max_new_tokens")
-    max_completion_tokens: Optional[int] = _bounded(None, "max_new_tokens")
+    max_tokens: Optional[int] = _bounded(None, "max_new_tokens", ge=1)
+    max_completion_tokens: Optional[int] = _bounded(None, "max_new_tokens", ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = _bounded(None, "logprobs")
     tools: Optional[Any] = None

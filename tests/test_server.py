@@ -195,7 +195,8 @@ def error_of(response) -> dict:
 @pytest.mark.parametrize("field, value, allowed", [
     ("temperature", 5, "is out of range; allowed: numbers in [0, 2]"),
     ("top_p", -0.1, "is out of range; allowed: numbers in [0, 1]"),
-    ("max_tokens", -1, "is out of range; allowed: integers in [0, "),
+    ("max_tokens", -1, "is out of range; allowed: integers in [1, "),
+    ("max_tokens", 0, "is out of range; allowed: integers in [1, "),  # vLLM refuses 0 too
     ("n", 0, "is out of range; allowed: integers in [1, "),
     ("logprobs", 21, "is out of range; allowed: integers in [0, 20]"),
     ("seed", -3, "is out of range; allowed: integers in [0, "),
@@ -243,7 +244,7 @@ def test_a_bad_field_is_a_400_naming_it_and_what_is_allowed(url, field, value, a
     ("n", '"two"', 'n="two" is not an integer; allowed: integers in [1, 2147483647]'),
     ("seed", "-1", "seed=-1 is out of range; allowed: integers in [0, 4294967295]"),
     ("logprobs", "21", "logprobs=21 is out of range; allowed: integers in [0, 20]"),
-    ("max_tokens", "-1", "max_tokens=-1 is out of range; allowed: integers in [0, 2147483647]"),
+    ("max_tokens", "-1", "max_tokens=-1 is out of range; allowed: integers in [1, 2147483647]"),
 ])
 def test_a_number_field_s_bad_value_is_a_400_naming_value_and_what_is_allowed(url, field,
                                                                               sent, said):
@@ -670,12 +671,13 @@ def test_serve_refuses_bad_flags_and_models_before_it_listens(tmp_path, config, 
 def test_the_request_model_bounds_each_field_as_sampling_params_does():
     """One range per field, in inference/sampling_params.py (`RANGES`): the server's request model
     takes its bounds from there; it differs only where the API does (temperature at most 2,
-    as OpenAI documents; top_k -1 = off, as vLLM)."""
+    as OpenAI documents; top_k -1 = off and max_tokens at least 1, as vLLM)."""
     from inference.sampling_params import API_MAX_TEMPERATURE, RANGES
     from inference.api import CompletionRequest
 
     api_names = {"max_tokens": "max_new_tokens"}
-    differs = {"temperature": {"le": API_MAX_TEMPERATURE}, "top_k": {"ge": -1}}
+    differs = {"temperature": {"le": API_MAX_TEMPERATURE}, "top_k": {"ge": -1},
+               "max_tokens": {"ge": 1}}
     checked = set()
     for name, field in CompletionRequest.model_fields.items():
         engine_name = api_names.get(name, name)
