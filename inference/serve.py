@@ -224,7 +224,8 @@ def _serve(args: argparse.Namespace, cfg: ServerConfig, source: Path,
                             port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
     try:
-        _Uvicorn(config, on_listening=listening.set).run(sockets=[sock])
+        _Uvicorn(config, on_listening=listening.set, drain_s=args.shutdown_timeout).run(
+            sockets=[sock])
     finally:
         if channel is not None:  # drained (or failed): the followers exit too
             channel.send(multihost.STOP)
@@ -331,14 +332,24 @@ class _Uvicorn(uvicorn.Server):
     It re-raises the SIGTERM or Ctrl-C it drained for under the handlers it found: `main`
     leaves them ignored, so a drained shutdown exits 0 (by the signal, it was 143)."""
 
-    def __init__(self, config: uvicorn.Config, on_listening: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_listening: Callable[[], None],
+                 drain_s: float):
         super().__init__(config)
-        self.on_listening = on_listening
+        self.on_listening, self.drain_s = on_listening, drain_s
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
             self.on_listening()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """uvicorn's signal handler, after one line on the first signal: what the server does
+        now (an operator saw nothing between SIGTERM and the exit)."""
+        if not self.should_exit:
+            print(f"gpt-jax serve: {signal.Signals(sig).name}: draining (no new connections; "
+                  f"the requests in flight finish, for at most {self.drain_s:g} s), then "
+                  "exiting", flush=True)
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":

@@ -576,7 +576,10 @@ def test_gpt_jax_serve_finishes_requests_in_flight_on_sigterm(tmp_path, config, 
         assert chunks[-1]["finish_reason"] == "length"
         # a clean drain exits 0 (uvicorn re-raised the signal it drained for: 143)
         assert proc.wait(timeout=30) == 0
-        assert "Traceback" not in proc.stdout.read()
+        said = proc.stdout.read()
+        assert "Traceback" not in said
+        assert ("gpt-jax serve: SIGTERM: draining (no new connections; the requests in "
+                "flight finish, for at most 60 s), then exiting") in said, said
         with pytest.raises(httpx.TransportError):  # no longer admitting
             httpx.get(f"{base}/health")
     finally:
