@@ -31,7 +31,6 @@ class Submission:
     finished: int = 0  # samples finished
 
 
-
 def say_first_use(before: compile_cache.Programs, after: compile_cache.Programs,
                   seconds: float) -> None:
     """One line when a step compiled (or loaded) programs: a request used one the start-up
