@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bandwidth import BandwidthProbe  # noqa: E402
-from speed import RESULTS, decode_runner, machine, preset, seconds, timed  # noqa: E402
+from speed import RESULTS, decode_runner, live_kv_bytes, machine, preset, seconds  # noqa: E402
 
 from gpt_jax import init_params  # noqa: E402
 from gpt_jax.kernels import few_rows_matmul, paged_attention, panel_matmul  # noqa: E402
@@ -144,23 +144,18 @@ def main(argv=None) -> None:
     steps = 8
     run = decode_runner(params, config, args.batch, args.capacity, args.live, steps)
     jax.block_until_ready(run())  # compile outside the trace
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            step = timed(run, repeats=1) / steps
-        (trace_file,) = Path(tmp).rglob("*.trace.json.gz")
-        events = json.loads(gzip.decompress(trace_file.read_bytes()))["traceEvents"]
     ops = hlo_ops(run.func.lower(*run.args).compile().as_text())
-    totals, per_thread, count = collections.Counter(), collections.Counter(), 0
+    wall, events = traced_events(run, ops)
+    step = wall / steps
+    totals, per_thread = collections.Counter(), collections.Counter()
     for e in events:
-        name = e.get("name", "")
-        if e.get("ph") == "X" and "dur" in e and name in ops and not name.startswith(NESTING):
-            totals[ops[name]] += e["dur"] / 1e3 / (2 * steps)  # ms per step, both threads
-            per_thread[e.get("tid")] += e["dur"] / 1e3 / (2 * steps)
-            count += 1
+        totals[ops[e["name"]]] += e["dur"] / 1e3 / steps  # ms per step, all threads
+        per_thread[e.get("tid")] += e["dur"] / 1e3 / steps
     rows = [{"op": op, "ms_per_step": ms} for op, ms in totals.most_common(args.top)]
     busiest = max(per_thread.values(), default=0.0)
+    count = len(events)
     print(f"decode step {1e3 * step:.1f} ms (batch {args.batch}, live {args.live}, traced); "
-          f"{count / (2 * steps):.0f} ops a step, {sum(per_thread.values()):.1f} ms of op time "
+          f"{count / steps:.0f} ops a step, {sum(per_thread.values()):.1f} ms of op time "
           f"over {len(per_thread)} threads, the busiest's {busiest:.1f} ms (the rest of its "
           f"step between ops); XLA op time per step, summed over threads, by kind, output "
           f"shape and source:")
@@ -169,8 +164,7 @@ def main(argv=None) -> None:
     rounds, medians = [], {}
     if args.rounds:
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-        kv_bytes = (2 * config.n_layers * args.batch * args.live * config.kv_heads
-                    * config.head_dim * 4)
+        kv_bytes = live_kv_bytes(config, args.batch * args.live)
         load = os.getloadavg()[0]
         print(f"{args.rounds} rounds (weights {weight_bytes / 1e6:.0f} MB, live KV "
               f"{kv_bytes / 1e6:.1f} MB a step):")
@@ -183,7 +177,7 @@ def main(argv=None) -> None:
     name = "-".join(["profile_decode"] + [a for a in (args.quantize, args.tag) if a])
     (RESULTS / f"{name}.json").write_text(json.dumps(
         {"machine": machine(), "args": vars(args), "step_ms": 1e3 * step,
-         "ops_per_step": count / (2 * steps), "busiest_thread_op_ms": busiest, "top": rows,
+         "ops_per_step": count / steps, "busiest_thread_op_ms": busiest, "top": rows,
          "rounds": rounds, "medians": medians},
         indent=1))
 

@@ -164,8 +164,13 @@ def bound_step_seconds(params, config, new_tokens: int, bandwidth_gbs: float) ->
     read once at `bandwidth_gbs` GB/s (`BandwidthProbe.best_gbs`)."""
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     live = PROMPT_LEN + new_tokens / 2
-    kv_bytes = 2 * config.n_layers * live * config.kv_heads * config.head_dim * 4
-    return (weight_bytes + kv_bytes) / (bandwidth_gbs * 1e9)
+    return (weight_bytes + live_kv_bytes(config, live)) / (bandwidth_gbs * 1e9)
+
+
+def live_kv_bytes(config: GPTConfig, tokens: float) -> float:
+    """Bytes of float32 keys and values a decode step reads for `tokens` cached tokens (all
+    rows together): every layer's K and V, kv_heads x head_dim floats each."""
+    return 2 * config.n_layers * tokens * config.kv_heads * config.head_dim * 4
 
 
 def roofline_columns(params, config, new_tokens: int, probe: BandwidthProbe,

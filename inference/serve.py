@@ -120,9 +120,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     multihost.add_flags(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="compile each program on first use instead of before serving "
-                        "(speculative decoding's and structured output's compile on first "
-                        "use in any case, but json_object's with --warmup-json-object; the "
-                        "log says when a step compiled)")
+                        "(speculative decoding's and structured output's programs compile "
+                        "on first use in any case, except json_object's with "
+                        "--warmup-json-object; the log says when a step compiled)")
     p.add_argument("--warmup-json-object", action="store_true",
                    help="also compile response_format json_object for the served tokenizer "
                         "(tens of seconds over a 50k vocabulary, once: kept in "
